@@ -1,8 +1,9 @@
-"""Argument and input checks shared by the torch reference layers.
+"""Argument and input checks shared by both packages, word for word.
 
 The documents use ``assert`` (or nothing) where a user can pass bad input; these checks raise the
-``ValueError``/``TypeError`` that ``../shared/API.md`` asks for instead. ``flax_attention._checks``
-holds the same messages word for word, so one test checks both packages.
+``ValueError``/``TypeError`` that ``shared/API.md`` asks for instead. ``torch_reference/_checks.py``
+and ``flax_attention/_checks.py`` are the same file (a test compares them), so the two packages
+give the same message for the same mistake. Plain Python: no framework import.
 """
 
 import numbers
@@ -15,6 +16,7 @@ __all__ = [
     "check_floating",
     "check_num_tokens",
     "check_mask",
+    "check_min_rank",
     "check_rank",
     "check_same",
 ]
@@ -48,6 +50,15 @@ def check_rank(name, shape, ranks, legend):
         expected = " or ".join(str(r) for r in ranks)
         raise ValueError(
             f"{name}.ndim ({len(shape)}, shape {tuple(shape)}) must be {expected} ({legend})"
+        )
+
+
+def check_min_rank(name, shape, min_rank, legend):
+    """``len(shape)`` must be at least ``min_rank`` (leading axes are batch axes)."""
+    if len(shape) < min_rank:
+        raise ValueError(
+            f"{name}.ndim ({len(shape)}, shape {tuple(shape)}) must be at least {min_rank} "
+            f"({legend})"
         )
 
 

@@ -1,0 +1,57 @@
+"""Flax NNX port of the classic attention layers, equal to ``torch_reference`` by test.
+
+Same class names and positional arguments as the documents (and ``torch_reference``); then
+keyword-only ``rngs`` and the Flax options ``dtype``, ``param_dtype``, ``precision``. Weights
+cross from torch with ``load_state_dict``/``load_file`` and back with ``state_dict``/
+``save_file``. The attention math lives once, in ``flax_attention.core``.
+"""
+
+from flax_attention.annotated import MultiHeadedAttention, attention, clones
+from flax_attention.causal import (
+    CausalAttention,
+    MultiHeadAttentionWrapper,
+    causal_attn_weights_masked_fill,
+    causal_attn_weights_renormalized,
+)
+from flax_attention.core import causal_mask, dot_product_attention, masked_softmax
+from flax_attention.multihead import MultiHeadAttention
+from flax_attention.self_attention import (
+    SelfAttention,
+    SelfAttention_v1,
+    SelfAttention_v2,
+    simplified_self_attention,
+    softmax_naive,
+)
+from flax_attention.weights import (
+    IncompatibleKeys,
+    load_file,
+    load_state_dict,
+    save_file,
+    state_dict,
+)
+
+__all__ = [
+    # The documents' names, as in torch_reference.__all__ (a test checks they match).
+    "softmax_naive",
+    "simplified_self_attention",
+    "SelfAttention_v1",
+    "SelfAttention_v2",
+    "SelfAttention",
+    "causal_attn_weights_renormalized",
+    "causal_attn_weights_masked_fill",
+    "CausalAttention",
+    "MultiHeadAttentionWrapper",
+    "MultiHeadAttention",
+    "MultiHeadedAttention",
+    "attention",
+    "clones",
+    # Flax only: the attention core and the weight bridge.
+    "causal_mask",
+    "masked_softmax",
+    "dot_product_attention",
+    "IncompatibleKeys",
+    "load_state_dict",
+    "state_dict",
+    "save_file",
+    "load_file",
+]

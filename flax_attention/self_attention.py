@@ -1,0 +1,128 @@
+"""Self-attention without and with trainable weights (documents 000, 002 and 003), in Flax NNX.
+
+Shape legend: ``t`` = ``num_tokens``, ``d_in`` input features, ``d_out`` output features. The
+documents take one sequence ``(num_tokens, d_in)``; these layers also take leading batch axes
+``(..., num_tokens, d_in)``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from flax_attention._checks import check_positive_int
+from flax_attention._init import linear_factory, torch_rand
+from flax_attention._inputs import check_input
+from flax_attention.core import dot_product_attention, masked_softmax
+
+__all__ = [
+    "softmax_naive",
+    "simplified_self_attention",
+    "SelfAttention_v1",
+    "SelfAttention_v2",
+    "SelfAttention",
+]
+
+
+def softmax_naive(x):
+    """Document 003, step 1: ``exp(x) / sum(exp(x))`` over the first axis (no max subtraction)."""
+    return jnp.exp(x) / jnp.exp(x).sum(axis=0)
+
+
+def simplified_self_attention(inputs, *, precision=None):
+    """Documents 000 and 003: attention without weights.
+
+    ``inputs`` ``(num_tokens, d_in)``; returns ``(attn_scores, attn_weights, context_vecs)`` with
+    shapes ``(num_tokens, num_tokens)``, ``(num_tokens, num_tokens)``, ``(num_tokens, d_in)``.
+    No scaling, as in the documents (``d_key = 1`` for the shared softmax).
+    """
+    attn_scores = jnp.matmul(inputs, inputs.T, precision=precision)  # (t, t)
+    attn_weights = masked_softmax(attn_scores, 1)  # (t, t)
+    context_vecs = jnp.matmul(attn_weights, inputs, precision=precision)  # (t, d_in)
+    return attn_scores, attn_weights, context_vecs
+
+
+def _project(x, kernel, precision):
+    return jnp.matmul(x, kernel, precision=precision)
+
+
+class SelfAttention_v1(nnx.Module):
+    """Document 003, ``SelfAttention_v1``: raw ``(d_in, d_out)`` matrices drawn like ``torch.rand``.
+
+    ``x`` ``(..., num_tokens, d_in)`` -> ``(..., num_tokens, d_out)``.
+    """
+
+    def __init__(
+        self,
+        d_in: int,
+        d_out: int,
+        *,
+        dtype=None,
+        param_dtype=jnp.float32,
+        precision=None,
+        rngs: nnx.Rngs,
+    ):
+        check_positive_int("d_in", d_in)
+        check_positive_int("d_out", d_out)
+        self.d_in = d_in
+        self.d_out = d_out
+        self.dtype = dtype
+        self.precision = precision
+        self.W_query = nnx.Param(torch_rand(rngs.params(), (d_in, d_out), param_dtype))
+        self.W_key = nnx.Param(torch_rand(rngs.params(), (d_in, d_out), param_dtype))
+        self.W_value = nnx.Param(torch_rand(rngs.params(), (d_in, d_out), param_dtype))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        check_input("x", x, self.d_in)
+        x, W_query, W_key, W_value = nnx.nn.dtypes.promote_dtype(
+            (x, self.W_query[...], self.W_key[...], self.W_value[...]), dtype=self.dtype
+        )
+        keys = _project(x, W_key, self.precision)[..., None, :]  # (..., t, 1, d_out)
+        queries = _project(x, W_query, self.precision)[..., None, :]  # (..., t, 1, d_out)
+        values = _project(x, W_value, self.precision)[..., None, :]  # (..., t, 1, d_out)
+        context_vec, _ = dot_product_attention(queries, keys, values, precision=self.precision)
+        return context_vec[..., 0, :]  # (..., t, d_out)
+
+
+class SelfAttention_v2(nnx.Module):
+    """Document 003, ``SelfAttention_v2`` (documents 000 and 002 call it ``SelfAttention``).
+
+    ``nnx.Linear`` projections with torch's initialisers, optional bias.
+    ``x`` ``(..., num_tokens, d_in)`` -> ``(..., num_tokens, d_out)``.
+    """
+
+    def __init__(
+        self,
+        d_in: int,
+        d_out: int,
+        qkv_bias: bool = False,
+        *,
+        dtype=None,
+        param_dtype=jnp.float32,
+        precision=None,
+        rngs: nnx.Rngs,
+    ):
+        check_positive_int("d_in", d_in)
+        check_positive_int("d_out", d_out)
+        self.d_in = d_in
+        self.d_out = d_out
+        self.precision = precision
+        linear = linear_factory(
+            dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs
+        )
+        self.W_query = linear(d_in, d_out, use_bias=qkv_bias)
+        self.W_key = linear(d_in, d_out, use_bias=qkv_bias)
+        self.W_value = linear(d_in, d_out, use_bias=qkv_bias)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        check_input("x", x, self.d_in)
+        keys = self.W_key(x)[..., None, :]  # (..., t, 1, d_out)
+        queries = self.W_query(x)[..., None, :]  # (..., t, 1, d_out)
+        values = self.W_value(x)[..., None, :]  # (..., t, 1, d_out)
+        context_vec, _ = dot_product_attention(queries, keys, values, precision=self.precision)
+        return context_vec[..., 0, :]  # (..., t, d_out)
+
+
+#: Documents 000 and 002 name the same layer ``SelfAttention``.
+SelfAttention = SelfAttention_v2
