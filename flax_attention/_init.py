@@ -10,7 +10,6 @@ random generators. Weights that must match exactly cross over with ``load_state_
 
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -54,5 +53,3 @@ def linear_factory(*, dtype, param_dtype, precision, rngs: nnx.Rngs):
         )
 
     return linear
-
-

@@ -1,4 +1,4 @@
-"""Input checks on arrays, in the words of ``_checks`` (the same messages as ``torch_reference``)."""
+"""Input checks on arrays, in the words of ``_checks`` (the messages of ``torch_reference``)."""
 
 from __future__ import annotations
 

@@ -6,7 +6,6 @@ Shape legend: ``b`` batch, ``h`` = ``num_heads``, ``t`` = ``q_len`` query tokens
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -150,5 +149,3 @@ def _check_inputs(query, key, value, mask, d_model):
             jnp.issubdtype(dtype, jnp.number) and not jnp.issubdtype(dtype, jnp.complexfloating)
         )
         check_mask(jnp.shape(mask), (q_shape[0], q_shape[1], k_shape[1]), valid, str(dtype))
-
-

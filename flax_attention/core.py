@@ -17,6 +17,8 @@ back, dropout on the weights, weighted sum of the values.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -40,6 +42,15 @@ def causal_mask(num_queries: int, num_keys: int, offset=0) -> jax.Array:
     return cols <= rows  # (t, s)
 
 
+def _representable(fill_value, dtype):
+    """A finite fill (document 001's ``-1e10``) clipped to ``dtype``'s range, so float16 keeps a
+    finite fill (``-65504``) instead of overflowing to ``-inf`` (which would turn a fully masked
+    row into NaN). Float32, bfloat16 and ``-inf`` are unchanged."""
+    if math.isfinite(fill_value) and jnp.issubdtype(dtype, jnp.floating):
+        return max(float(fill_value), float(jnp.finfo(dtype).min))
+    return fill_value
+
+
 def masked_softmax(attn_scores, d_key, mask=None, fill_value=-jnp.inf):
     """Scale, fill, softmax: ``softmax(where(mask, attn_scores / sqrt(d_key), fill_value))``.
 
@@ -50,6 +61,7 @@ def masked_softmax(attn_scores, d_key, mask=None, fill_value=-jnp.inf):
     attn_scores = attn_scores / d_key**0.5
     if mask is not None:
         mask = jnp.broadcast_to(mask, attn_scores.shape)  # explicit: rank promotion may raise
+        fill_value = _representable(fill_value, dtype)
         attn_scores = jnp.where(mask, attn_scores, jnp.asarray(fill_value, attn_scores.dtype))
     compute_dtype = jnp.promote_types(dtype, jnp.float32)
     attn_weights = jax.nn.softmax(attn_scores.astype(compute_dtype), axis=-1)

@@ -1,4 +1,4 @@
-"""``MultiHeadAttention``: causal attention with heads split from one projection (documents 000, 002).
+"""``MultiHeadAttention``: causal heads split from one projection (documents 000 and 002).
 
 Shape legend: ``b`` batch (any leading axes), ``t`` = ``num_tokens``, ``d_in`` input features,
 ``d_out`` output features, ``h`` = ``num_heads`` heads of ``d`` = ``head_dim = d_out // h``.

@@ -52,7 +52,9 @@ def _torch_entries(module: nnx.Module) -> dict[str, _Entry]:
                 entries[name.removesuffix("kernel") + "weight"] = _Entry(node, True, None)
             else:
                 entries[name] = _Entry(node, False, None)
-        elif isinstance(node, nnx.Module) and isinstance(getattr(type(node), "mask", None), property):
+        elif isinstance(node, nnx.Module) and isinstance(
+            getattr(type(node), "mask", None), property
+        ):
             entries[f"{name}.mask" if name else "mask"] = _Entry(None, False, node.mask)
     return entries
 

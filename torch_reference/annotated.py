@@ -6,7 +6,6 @@ tokens, ``d_model`` model features, ``k_dim = d_model // num_heads`` features pe
 
 import copy
 import math
-from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -14,8 +13,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from torch_reference._checks import (
-    check_dropout,
     check_divisible,
+    check_dropout,
     check_features,
     check_floating,
     check_mask,
@@ -50,7 +49,7 @@ class MultiHeadedAttention(nn.Module):
         self.attention_score = None
         self.dropout = nn.Dropout(p=dropout)
 
-    def forward(self, query: Tensor, key: Tensor, value: Tensor, mask: Optional[Tensor] = None):
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None = None):
         _check_inputs(query, key, value, mask, self.num_heads * self.k_dim)
         if mask is not None:
             mask = mask.unsqueeze(1)  # Shape: (b or 1, 1, q_len or 1, k_len)
@@ -84,8 +83,8 @@ def attention(
     query: Tensor,
     key: Tensor,
     value: Tensor,
-    mask: Optional[Tensor] = None,
-    dropout: Optional[nn.Module] = None,
+    mask: Tensor | None = None,
+    dropout: nn.Module | None = None,
 ):
     """Document 001, ``attention``: scaled dot product with an optional ``mask == 0`` fill.
 

@@ -1,4 +1,4 @@
-"""``MultiHeadAttention``: causal attention with heads split from one projection (documents 000, 002).
+"""``MultiHeadAttention``: causal heads split from one projection (documents 000 and 002).
 
 Shape legend: ``b`` batch, ``num_tokens`` tokens, ``d_in`` input features, ``d_out`` output
 features, ``num_heads`` heads of ``head_dim = d_out // num_heads`` features.

@@ -1,0 +1,134 @@
+"""The shared spec under pytest: one test per case, check and dtype (ids are the case names),
+and proof that every check can fail."""
+
+from __future__ import annotations
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import flax_attention as fa
+import flax_attention.core as core
+from conformance_tests import cli, harness, spec
+
+CPU = harness.backends(["cpu"])[0]
+PLAN = list(harness.planned(spec.CASES))
+
+
+def _describe(rows) -> str:
+    return "\n".join(
+        f"{r.case} {r.check} {r.dtype}: max_abs_err {r.max_abs_err:.3e} (tol {r.tol:.1e}, "
+        f"worst tensor {r.worst!r}) {'PASS' if r.passed else 'FAIL'}"
+        for r in rows
+    )
+
+
+@pytest.mark.parametrize(
+    ("case", "check", "dtype"),
+    [
+        pytest.param(*p, id=f"{p[0].name}-{p[1]}-{p[2]}", marks=_marks)
+        for p in PLAN
+        for _marks in [[pytest.mark.slow] if "large" in p[0].tags else []]
+    ],
+)
+def test_spec_case(case, check, dtype, tmp_path):
+    rows = harness.run_case(case, check, CPU, dtype, str(tmp_path))
+    applies = check != "mask" or case.mask is not None or "Causal" in case.layer
+    applies = applies or case.layer in ("MultiHeadAttentionWrapper", "MultiHeadAttention")
+    if not applies:  # e.g. a mask check on an unmasked layer yields no row
+        assert rows == [], _describe(rows)
+        return
+    assert rows, f"{case.name} {check} {dtype} produced no row"
+    assert all(r.passed for r in rows), _describe(rows)
+
+
+def test_every_case_name_is_unique_and_every_layer_covered():
+    names = [c.name for c in spec.CASES]
+    assert len(names) == len(set(names))
+    assert {c.layer for c in spec.CASES} == set(spec.LAYERS) | set(spec.FUNCTIONS)
+
+
+# ---- every check can fail ---------------------------------------------------------------------
+
+
+def _report(tmp_path, *argv):
+    path = tmp_path / "report.json"
+    code = cli.main(["--quiet", "--json", str(path), *argv])
+    return code, json.loads(path.read_text())
+
+
+@pytest.fixture
+def corrupt_one_weight(monkeypatch):
+    """Every Flax load adds 1e-2 to one entry of the first weight: a one-number porting bug."""
+    original = fa.load_file
+
+    def corrupted(module, path, strict=True):
+        result = original(module, path, strict)
+        first = next(iter(fa.state_dict(module)))
+        value = fa.state_dict(module)[first]
+        value.flat[0] += 1e-2
+        fa.load_state_dict(module, {first: value}, strict=False)
+        return result
+
+    monkeypatch.setattr(fa, "load_file", corrupted)
+
+
+@pytest.mark.parametrize("check", ["forward", "grad", "train", "dropout"])
+def test_a_corrupted_weight_fails_the_report(corrupt_one_weight, tmp_path, check):
+    pattern = "doc_mha_2heads" if check != "forward" else "doc_*"
+    code, rows = _report(tmp_path, "--cases", pattern, "--checks", check, "--dtype", "float32")
+    assert code == 1
+    failed = [r for r in rows if not r["passed"]]
+    assert failed, rows
+    assert all(r["max_abs_err"] > r["tol"] for r in failed), failed
+
+
+def test_a_wrong_scale_fails_the_report(monkeypatch, tmp_path):
+    original = core.masked_softmax
+
+    def wrong_scale(attn_scores, d_key, *args, **kwargs):  # sqrt(d_key + 1) instead of sqrt(d_key)
+        return original(attn_scores, d_key + 1, *args, **kwargs)
+
+    monkeypatch.setattr(core, "masked_softmax", wrong_scale)
+    code, rows = _report(tmp_path, "--cases", "doc_*", "--checks", "forward", "--dtype", "float32")
+    assert code == 1
+    assert {r["case"] for r in rows if not r["passed"]} >= {"doc_v1_seed123", "doc_mha_2heads"}
+
+
+def test_a_leaky_causal_mask_fails_the_mask_check(monkeypatch, tmp_path):
+    import flax_attention.causal as causal
+    import flax_attention.multihead as multihead
+
+    def leaky(num_queries, num_keys, offset=0):
+        return jnp.ones((num_queries, num_keys), bool)
+
+    monkeypatch.setattr(causal, "causal_mask", leaky)
+    monkeypatch.setattr(multihead, "causal_mask", leaky)
+    code, rows = _report(tmp_path, "--cases", "mha_odd_heads", "--checks", "mask")
+    assert code == 1
+    assert [r["passed"] for r in rows] == [False]
+
+
+def test_a_bad_dropout_scale_fails_the_dropout_check(monkeypatch, tmp_path):
+    from flax import nnx
+
+    original = nnx.Dropout.__call__
+
+    def unscaled(self, x, *args, **kwargs):  # drops but forgets the 1 / (1 - p)
+        return original(self, x, *args, **kwargs) * (1 - self.rate)
+
+    monkeypatch.setattr(nnx.Dropout, "__call__", unscaled)
+    code, rows = _report(tmp_path, "--cases", "doc_causal_batch", "--checks", "dropout")
+    assert code == 1
+    assert [r["check"] for r in rows if not r["passed"]] == ["dropout/stats"]
+
+
+def test_report_rows_have_the_api_fields(tmp_path):
+    code, rows = _report(tmp_path, "--cases", "doc_v1_seed123", "--checks", "forward")
+    assert code == 0
+    expected = {"case", "backend", "dtype", "check", "max_abs_err", "max_rel_err", "tol", "passed"}
+    assert rows and all(expected <= set(r) for r in rows)
+    assert {r["dtype"] for r in rows} == {"float32"}
+    assert np.isfinite([r["max_abs_err"] for r in rows]).all()
