@@ -115,11 +115,6 @@ def main(argv=None) -> int:
                     if not args.quiet or not row.passed:
                         tqdm.write(_format(row, label))
             progress.close()
-        if args.plots:
-            from conformance_tests.plots import write_heatmaps
-
-            for path in write_heatmaps(args.plots, workdir):
-                print(f"wrote {path}")
     failed = [r for r in rows if not r.passed]
     elapsed = time.perf_counter() - start
     print(f"\n{len(rows) - len(failed)} passed, {len(failed)} failed ({elapsed:.1f} s)")
@@ -127,4 +122,10 @@ def main(argv=None) -> int:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump([r.as_dict() for r in rows], f, indent=1)
+    if args.plots:
+        from conformance_tests.plots import write_heatmaps
+
+        with tempfile.TemporaryDirectory() as workdir:
+            for path in write_heatmaps(args.plots, workdir):
+                print(f"wrote {path}")
     return 1 if failed else 0
