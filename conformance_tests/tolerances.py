@@ -6,8 +6,8 @@ instance). The reference is always torch in float32 with TF32 off.
 
 ``forward`` on the documents' inputs has its own, tighter entry. The ``bfloat16``/``float16``
 rows are the Flax side computing in that dtype (``dtype=...``, float32 parameters) against the
-float32 torch reference; their values were measured on the spec's cases (see the README) and
-set at about 4x the worst error seen, never loosened to make a failing case pass.
+float32 torch reference; the README lists the worst error measured for every entry. No entry
+was loosened to make a failing case pass.
 """
 
 from __future__ import annotations

@@ -338,7 +338,7 @@ def test_bad_input_raises_the_same_message_in_both(name, args, shape, error, mes
 def test_annotated_bad_masks_and_shapes_in_both(q, kv, mask, message):
     for package in (tr, fa):
         kwargs = {"rngs": nnx.Rngs(0)} if package is fa else {}
-        layer = getattr(package, "MultiHeadedAttention")(2, 4, 0.0, **kwargs)
+        layer = package.MultiHeadedAttention(2, 4, 0.0, **kwargs)
         arrays = [np.zeros(q, np.float32), np.zeros(kv, np.float32)]
         m = None if mask is None else np.ones(mask, np.float32)
         if package is tr:
@@ -349,7 +349,7 @@ def test_annotated_bad_masks_and_shapes_in_both(q, kv, mask, message):
     # value length must match key length
     for package in (tr, fa):
         kwargs = {"rngs": nnx.Rngs(0)} if package is fa else {}
-        layer = getattr(package, "MultiHeadedAttention")(2, 4, 0.0, **kwargs)
+        layer = package.MultiHeadedAttention(2, 4, 0.0, **kwargs)
         a, b, c = (np.zeros(s, np.float32) for s in ((1, 3, 4), (1, 5, 4), (1, 6, 4)))
         if package is tr:
             a, b, c = (torch.from_numpy(v) for v in (a, b, c))
