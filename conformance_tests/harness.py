@@ -656,6 +656,8 @@ def check_mask(case: Case, backend: Backend, workdir: str, dtype="float32") -> l
     perturbed = [x.copy() for x in inputs]
     rng = _rng(case, "perturb")
     t_len = inputs[0].shape[-2]
+    if case.mask != "padding" and t_len < 2:
+        raise ValueError(f"case {case.name}: a causal mask check needs >= 2 tokens ({t_len})")
     k = max(1, t_len // 2)
     if case.mask == "padding":
         keep = mask.reshape(mask.shape[0], -1)  # (b, s): 1 = attended key
@@ -668,7 +670,7 @@ def check_mask(case: Case, backend: Backend, workdir: str, dtype="float32") -> l
             x[..., k:, :] += rng.standard_normal(x[..., k:, :].shape).astype(np.float32)
         rows_kept = slice(0, k)
     else:
-        return []
+        raise ValueError(f"case {case.name}: the mask check needs a mask or a causal layer")
 
     def outputs_of(xs):
         t_in, t_mask, f_in, f_mask = _prepare(case, backend, xs, mask)
