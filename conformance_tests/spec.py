@@ -308,6 +308,33 @@ CASES: tuple[Case, ...] = (
     ),
     # ---- GPT-2 small sizes (forward and grad only: the float32 parity claim at scale) ---------
     Case(
+        "gpt2_v2",
+        "SelfAttention_v2",
+        (768, 768, True),
+        ((1024, 768),),
+        checks=("forward",),
+        tags=("large",),
+        note="GPT-2 small sizes, one unbatched sequence",
+    ),
+    Case(
+        "gpt2_causal",
+        "CausalAttention",
+        (768, 768, 1024, 0.0, True),
+        ((1, 1024, 768),),
+        checks=("forward",),
+        tags=("large",),
+        note="GPT-2 small sizes, one head of 768",
+    ),
+    Case(
+        "gpt2_wrapper",
+        "MultiHeadAttentionWrapper",
+        (768, 64, 1024, 0.0, 12, True),
+        ((1, 1024, 768),),
+        checks=("forward",),
+        tags=("large",),
+        note="GPT-2 small: 12 stacked heads of 64",
+    ),
+    Case(
         "gpt2_mha",
         "MultiHeadAttention",
         (768, 768, 1024, 0.0, 12, True),
