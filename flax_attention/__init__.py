@@ -3,7 +3,8 @@
 Same class names and positional arguments as the documents (and ``torch_reference``); then
 keyword-only ``rngs`` and the Flax options ``dtype``, ``param_dtype``, ``precision``. Weights
 cross from torch with ``load_state_dict``/``load_file`` and back with ``state_dict``/
-``save_file``. The attention math lives once, in ``flax_attention.core``.
+``save_file``. The attention math lives once, in ``flax_attention.core``. ``shard(layer, mesh)``
+places a layer on a device mesh (``flax_attention.sharding``).
 """
 
 from flax_attention.annotated import MultiHeadedAttention, attention, clones
@@ -22,6 +23,7 @@ from flax_attention.self_attention import (
     simplified_self_attention,
     softmax_naive,
 )
+from flax_attention.sharding import shard
 from flax_attention.weights import (
     IncompatibleKeys,
     load_file,
@@ -54,4 +56,6 @@ __all__ = [
     "state_dict",
     "save_file",
     "load_file",
+    # Flax only: scaling out over a device mesh.
+    "shard",
 ]

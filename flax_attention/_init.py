@@ -4,6 +4,9 @@
   (torch's ``kaiming_uniform_(a=sqrt(5))`` and its bias rule).
 - ``torch.rand``: uniform in ``[0, 1)``, for ``SelfAttention_v1``'s raw matrices.
 
+Every parameter also carries its mesh axes as NNX partition metadata (``out_sharding``, with
+``eager_sharding=False``: created unplaced, put on a mesh by ``flax_attention.shard``).
+
 The draws follow the same distributions, not the same numbers: JAX and torch have different
 random generators. Weights that must match exactly cross over with ``load_state_dict``.
 """
@@ -14,7 +17,16 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-__all__ = ["linear_factory", "torch_linear_bias_init", "torch_linear_kernel_init", "torch_rand"]
+from flax_attention.sharding import LinearAxes
+
+__all__ = [
+    "linear_factory",
+    "partitioned",
+    "set_linear_axes",
+    "torch_linear_bias_init",
+    "torch_linear_kernel_init",
+    "torch_rand",
+]
 
 #: Kernel ``(fan_in, fan_out)`` uniform in +-sqrt(3 * (1/3) / fan_in) = +-1/sqrt(fan_in).
 torch_linear_kernel_init = jax.nn.initializers.variance_scaling(1.0 / 3.0, "fan_in", "uniform")
@@ -35,17 +47,36 @@ def torch_rand(key, shape, dtype=jnp.float32):
     return jax.random.uniform(key, shape, dtype)
 
 
-def linear_factory(*, dtype, param_dtype, precision, rngs: nnx.Rngs):
-    """``linear(d_in, d_out, use_bias=...)``: an ``nnx.Linear`` with torch's initialisers and the
-    layer's Flax options, so every sublayer gets ``dtype``, ``param_dtype`` and ``precision``."""
+def partitioned(init, axes):
+    """``init`` with partition metadata ``axes`` (one mesh axis name or ``None`` per dimension),
+    created unplaced: ``flax_attention.shard`` places it on a mesh."""
+    return nnx.with_partitioning(init, tuple(axes), eager_sharding=False)
 
-    def linear(in_features: int, out_features: int, *, use_bias: bool = True) -> nnx.Linear:
+
+def set_linear_axes(linear: nnx.Linear, axes: LinearAxes) -> nnx.Linear:
+    """Replace the partition metadata of an existing ``nnx.Linear`` (a clone that plays another
+    role, such as document 001's fourth projection); returns it."""
+    linear.kernel.set_metadata(out_sharding=tuple(axes.kernel), eager_sharding=False)
+    if linear.bias is not None:
+        linear.bias.set_metadata(out_sharding=tuple(axes.bias), eager_sharding=False)
+    return linear
+
+
+def linear_factory(*, dtype, param_dtype, precision, rngs: nnx.Rngs):
+    """``linear(d_in, d_out, use_bias=..., axes=...)``: an ``nnx.Linear`` with torch's
+    initialisers and the layer's Flax options, so every sublayer gets ``dtype``, ``param_dtype``
+    and ``precision``. ``axes`` (a ``sharding.LinearAxes``, e.g. ``TO_HEADS`` or ``FROM_HEADS``)
+    becomes the kernel's and bias's partition metadata."""
+
+    def linear(
+        in_features: int, out_features: int, *, use_bias: bool = True, axes: LinearAxes
+    ) -> nnx.Linear:
         return nnx.Linear(
             in_features,
             out_features,
             use_bias=use_bias,
-            kernel_init=torch_linear_kernel_init,
-            bias_init=torch_linear_bias_init(in_features),
+            kernel_init=partitioned(torch_linear_kernel_init, axes.kernel),
+            bias_init=partitioned(torch_linear_bias_init(in_features), axes.bias),
             dtype=dtype,
             param_dtype=param_dtype,
             precision=precision,

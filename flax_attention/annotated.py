@@ -19,8 +19,9 @@ from flax_attention._checks import (
     check_rank,
     check_same,
 )
-from flax_attention._init import linear_factory
+from flax_attention._init import linear_factory, set_linear_axes
 from flax_attention.core import dot_product_attention
+from flax_attention.sharding import FROM_HEADS, TO_HEADS
 
 __all__ = ["MultiHeadedAttention", "attention", "clones"]
 
@@ -66,7 +67,8 @@ class MultiHeadedAttention(nnx.Module):
         linear = linear_factory(
             dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs
         )
-        self.proj_weights = clones(linear(d_model, d_model), 4)  # W^Q, W^K, W^V, W^O
+        self.proj_weights = clones(linear(d_model, d_model, axes=TO_HEADS), 4)  # W^Q, W^K, W^V, W^O
+        set_linear_axes(self.proj_weights[-1], FROM_HEADS)  # W^O reduces over the heads
         self.attention_score = nnx.data(None)
         self.dropout = nnx.Dropout(dropout, rngs=rngs)
 

@@ -15,6 +15,7 @@ from flax_attention._checks import check_dropout, check_num_tokens, check_positi
 from flax_attention._init import linear_factory
 from flax_attention._inputs import check_input
 from flax_attention.core import causal_mask, dot_product_attention, masked_softmax
+from flax_attention.sharding import TO_HEADS
 
 __all__ = [
     "causal_attn_weights_renormalized",
@@ -100,9 +101,9 @@ class CausalAttention(CausalMaskMixin, nnx.Module):
         linear = linear_factory(
             dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs
         )
-        self.W_query = linear(d_in, d_out, use_bias=qkv_bias)
-        self.W_key = linear(d_in, d_out, use_bias=qkv_bias)
-        self.W_value = linear(d_in, d_out, use_bias=qkv_bias)
+        self.W_query = linear(d_in, d_out, use_bias=qkv_bias, axes=TO_HEADS)
+        self.W_key = linear(d_in, d_out, use_bias=qkv_bias, axes=TO_HEADS)
+        self.W_value = linear(d_in, d_out, use_bias=qkv_bias, axes=TO_HEADS)
         self.dropout = nnx.Dropout(dropout, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:

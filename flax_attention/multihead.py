@@ -14,6 +14,7 @@ from flax_attention._checks import check_divisible, check_positive_int
 from flax_attention._init import linear_factory
 from flax_attention.causal import CausalMaskMixin, check_causal_args
 from flax_attention.core import causal_mask, dot_product_attention
+from flax_attention.sharding import FROM_HEADS, TO_HEADS
 
 __all__ = ["MultiHeadAttention"]
 
@@ -50,10 +51,10 @@ class MultiHeadAttention(CausalMaskMixin, nnx.Module):
         linear = linear_factory(
             dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs
         )
-        self.W_query = linear(d_in, d_out, use_bias=qkv_bias)
-        self.W_key = linear(d_in, d_out, use_bias=qkv_bias)
-        self.W_value = linear(d_in, d_out, use_bias=qkv_bias)
-        self.out_proj = linear(d_out, d_out)  # always biased, as in the documents
+        self.W_query = linear(d_in, d_out, use_bias=qkv_bias, axes=TO_HEADS)
+        self.W_key = linear(d_in, d_out, use_bias=qkv_bias, axes=TO_HEADS)
+        self.W_value = linear(d_in, d_out, use_bias=qkv_bias, axes=TO_HEADS)
+        self.out_proj = linear(d_out, d_out, axes=FROM_HEADS)  # always biased, as in the documents
         self.dropout = nnx.Dropout(dropout, rngs=rngs)
 
     def _split_heads(self, x):

@@ -12,9 +12,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from flax_attention._checks import check_positive_int
-from flax_attention._init import linear_factory, torch_rand
+from flax_attention._init import linear_factory, partitioned, torch_rand
 from flax_attention._inputs import check_input
 from flax_attention.core import dot_product_attention, masked_softmax
+from flax_attention.sharding import TO_HEADS
 
 __all__ = [
     "softmax_naive",
@@ -69,9 +70,10 @@ class SelfAttention_v1(nnx.Module):
         self.d_out = d_out
         self.dtype = dtype
         self.precision = precision
-        self.W_query = nnx.Param(torch_rand(rngs.params(), (d_in, d_out), param_dtype))
-        self.W_key = nnx.Param(torch_rand(rngs.params(), (d_in, d_out), param_dtype))
-        self.W_value = nnx.Param(torch_rand(rngs.params(), (d_in, d_out), param_dtype))
+        init = partitioned(torch_rand, TO_HEADS.kernel)  # (d_in, d_out): d_out over "model"
+        self.W_query = nnx.Param(init(rngs.params(), (d_in, d_out), param_dtype))
+        self.W_key = nnx.Param(init(rngs.params(), (d_in, d_out), param_dtype))
+        self.W_value = nnx.Param(init(rngs.params(), (d_in, d_out), param_dtype))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         check_input("x", x, self.d_in)
@@ -111,9 +113,9 @@ class SelfAttention_v2(nnx.Module):
         linear = linear_factory(
             dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs
         )
-        self.W_query = linear(d_in, d_out, use_bias=qkv_bias)
-        self.W_key = linear(d_in, d_out, use_bias=qkv_bias)
-        self.W_value = linear(d_in, d_out, use_bias=qkv_bias)
+        self.W_query = linear(d_in, d_out, use_bias=qkv_bias, axes=TO_HEADS)
+        self.W_key = linear(d_in, d_out, use_bias=qkv_bias, axes=TO_HEADS)
+        self.W_value = linear(d_in, d_out, use_bias=qkv_bias, axes=TO_HEADS)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         check_input("x", x, self.d_in)
