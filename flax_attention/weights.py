@@ -15,6 +15,7 @@ torch key                   Flax variable                       layout
 
 Every torch ``nn.Linear`` weight is the transpose of the Flax kernel; everything else keeps its
 layout. Buffers are not Flax state: ``mask`` is checked on load and produced on export.
+Loading into a module placed by ``flax_attention.shard`` keeps every parameter's sharding.
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ from __future__ import annotations
 import os
 from typing import NamedTuple
 
+import jax
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
 
 __all__ = ["IncompatibleKeys", "load_state_dict", "state_dict", "save_file", "load_file"]
 
@@ -143,6 +146,9 @@ def load_state_dict(module: nnx.Module, state_dict, strict: bool = True) -> Inco
             f"{len(lines)} problem(s); nothing was loaded:\n  " + "\n  ".join(lines)
         )
     for variable, value in updates:
+        sharding = getattr(variable.get_value(), "sharding", None)
+        if isinstance(sharding, NamedSharding):  # a sharded module stays where shard() put it
+            value = jax.device_put(value, sharding)
         variable[...] = value
     return IncompatibleKeys(missing, unexpected, mismatched)
 
