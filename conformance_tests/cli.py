@@ -1,7 +1,8 @@
 """``python -m conformance_tests``: the parity report on every backend present.
 
 One row per case, check and dtype: case, backend, dtype, check, max abs error, max rel error,
-tolerance, pass/fail. Exits 1 if any row fails.
+tolerance, pass/fail. Exits 1 if any row fails. ``--mesh 2x4`` runs the Flax side sharded over a
+device mesh (the backend column says ``cpu[mesh 2x4]``).
 """
 
 from __future__ import annotations
@@ -54,6 +55,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         "backend's own default (TF32 on NVIDIA GPUs, bf16 passes on TPU)",
     )
     parser.add_argument(
+        "--mesh",
+        metavar="DATAxMODEL",
+        help="run the Flax side sharded over a (data, model) device mesh, e.g. 2x4: "
+        "flax_attention.shard places each layer, inputs are split over data; rows say "
+        "'cpu[mesh 2x4]'. On CPU, get N devices with "
+        "XLA_FLAGS=--xla_force_host_platform_device_count=N",
+    )
+    parser.add_argument(
         "--plots", metavar="DIR", help="write PNG heatmaps of the attention weights per layer"
     )
     parser.add_argument("--quiet", action="store_true", help="print only failures and summary")
@@ -90,7 +99,8 @@ def main(argv=None) -> int:
             print(f"--checks ({','.join(sorted(unknown))}) must be in {CHECKS}", file=sys.stderr)
             return 2
     try:
-        found = harness.backends(args.backend, strict=args.precision == "highest")
+        mesh = None if args.mesh is None else harness.parse_mesh(args.mesh)
+        found = harness.backends(args.backend, strict=args.precision == "highest", mesh=mesh)
     except ValueError as error:
         print(error, file=sys.stderr)
         return 2
@@ -101,13 +111,22 @@ def main(argv=None) -> int:
         if not args.checks or check in wanted
     ]
     rows: list[harness.Row] = []
+    skipped: dict[tuple[str, str], str] = {}  # (backend, case) -> why it cannot run sharded
     start = time.perf_counter()
     print(HEADER)
     with tempfile.TemporaryDirectory() as workdir:
         for backend in found:
-            label = backend.name if backend.strict else f"{backend.name}/default"
+            label = backend.label
             progress = tqdm(plan, desc=f"{label}", unit="check", file=sys.stderr, leave=False)
             for case, check, dtype in progress:
+                if (label, case.name) not in skipped:
+                    with backend.scope():
+                        reason = harness.mesh_skip_reason(case, backend)
+                    if reason is not None:
+                        skipped[(label, case.name)] = reason
+                        tqdm.write(f"{case.name:<30} {label:<12} SKIP: {reason}")
+                if skipped.get((label, case.name)):
+                    continue
                 progress.set_postfix_str(f"{case.name} {check} {dtype}")
                 for row in harness.run_case(case, check, backend, dtype, workdir):
                     row.backend = label
@@ -117,7 +136,11 @@ def main(argv=None) -> int:
             progress.close()
     failed = [r for r in rows if not r.passed]
     elapsed = time.perf_counter() - start
-    print(f"\n{len(rows) - len(failed)} passed, {len(failed)} failed ({elapsed:.1f} s)")
+    n_skipped = sum(1 for reason in skipped.values() if reason)
+    summary = f"{len(rows) - len(failed)} passed, {len(failed)} failed"
+    if args.mesh:
+        summary += f", {n_skipped} case(s) skipped (sizes that do not divide over the mesh)"
+    print(f"\n{summary} ({elapsed:.1f} s)")
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
@@ -128,4 +151,7 @@ def main(argv=None) -> int:
         with tempfile.TemporaryDirectory() as workdir:
             for path in write_heatmaps(args.plots, workdir):
                 print(f"wrote {path}")
+    if not rows:
+        print("no case ran: every selected case was skipped on the mesh", file=sys.stderr)
+        return 2
     return 1 if failed else 0

@@ -8,6 +8,7 @@ matmul precision unless asked otherwise) tensor by tensor, by name, and names th
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import tempfile
 import zlib
@@ -19,6 +20,7 @@ import numpy as np
 import optax
 import torch
 from flax import nnx
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 from safetensors.torch import save_file as torch_save_file
 
 import flax_attention as fa
@@ -27,7 +29,18 @@ from conformance_tests.documents import INPUTS
 from conformance_tests.spec import DOCUMENTS, DOCUMENTS_BATCH, Case, is_shift_invariant
 from conformance_tests.tolerances import tolerance
 
-__all__ = ["Row", "Backend", "backends", "run_case", "build_pair", "make_inputs", "make_mask"]
+__all__ = [
+    "Row",
+    "Backend",
+    "backends",
+    "parse_mesh",
+    "make_mesh",
+    "mesh_skip_reason",
+    "run_case",
+    "build_pair",
+    "make_inputs",
+    "make_mask",
+]
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -50,26 +63,83 @@ class Row:
         return asdict(self)
 
 
+#: What ``--precision default`` means on each backend, for the tolerance table: the backend's
+#: default float32 matmul (``None``: full float32, as strict).
+DEFAULT_PRECISION = {"cpu": None, "gpu": "tf32", "tpu": "bf16"}
+
+
 @dataclass(frozen=True)
 class Backend:
-    """Where both sides run: a jax device and the matching torch device."""
+    """Where both sides run: a jax device (or a mesh of them) and the matching torch device."""
 
     name: str  # "cpu", "gpu" or "tpu"
     jax_device: object
     torch_device: str
     strict: bool = True  # highest matmul precision in jax, TF32 off in torch
+    mesh: object = None  # a jax.sharding.Mesh ("data", "model"): the Flax side runs sharded
+
+    @property
+    def label(self) -> str:
+        """The report's backend column: ``cpu``, ``gpu/default``, ``cpu[mesh 2x4]``, ..."""
+        label = self.name if self.strict else f"{self.name}/default"
+        if self.mesh is not None:
+            label += f"[mesh {'x'.join(str(n) for n in self.mesh.devices.shape)}]"
+        return label
+
+    @property
+    def precision(self) -> str | None:
+        """The float32 matmul precision in effect: ``None`` (full float32), ``"tf32"`` or
+        ``"bf16"``; it picks the tolerance entries."""
+        return None if self.strict else DEFAULT_PRECISION[self.name]
 
     @contextlib.contextmanager
     def scope(self):
         precision = "highest" if self.strict else "default"
         torch.backends.cuda.matmul.allow_tf32 = not self.strict
         torch.backends.cudnn.allow_tf32 = not self.strict
-        with jax.default_device(self.jax_device), jax.default_matmul_precision(precision):
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(jax.default_device(self.jax_device))
+            stack.enter_context(jax.default_matmul_precision(precision))
+            if self.mesh is not None:
+                stack.enter_context(jax.set_mesh(self.mesh))
             yield
 
 
-def backends(names=None, strict=True) -> list[Backend]:
-    """Every backend both frameworks see: CPU always, then GPU (CUDA) and TPU when present."""
+def parse_mesh(text: str) -> tuple[int, int]:
+    """``"2x4"`` -> ``(2, 4)``: the sizes of the mesh's ``data`` and ``model`` axes."""
+    parts = str(text).lower().split("x")
+    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"mesh ({text!r}) must be DATAxMODEL with positive sizes (e.g. 2x4)")
+    return int(parts[0]), int(parts[1])
+
+
+def make_mesh(platform: str, shape: tuple[int, int]) -> jax.sharding.Mesh:
+    """A ``("data", "model")`` mesh of ``shape`` over the first devices of ``platform``.
+
+    Raises ``ValueError`` when fewer devices exist than the mesh needs (on CPU, saying how to get
+    more: ``XLA_FLAGS=--xla_force_host_platform_device_count=N``)."""
+    needed = int(np.prod(shape))
+    devices = jax.devices(platform)
+    if len(devices) < needed:
+        hint = (
+            f"; on CPU, set XLA_FLAGS=--xla_force_host_platform_device_count={needed} "
+            "in the environment before Python starts"
+            if platform == "cpu"
+            else ""
+        )
+        raise ValueError(
+            f"mesh ({shape[0]}x{shape[1]}) must fit the {platform} devices present "
+            f"({len(devices)}, {needed} needed){hint}"
+        )
+    grid = np.array(devices[:needed]).reshape(shape)
+    return jax.sharding.Mesh(grid, ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+
+
+def backends(names=None, strict=True, mesh=None) -> list[Backend]:
+    """Every backend both frameworks see: CPU always, then GPU (CUDA) and TPU when present.
+
+    ``mesh`` (``(data, model)``, e.g. ``(2, 4)``) runs the Flax side of every check sharded over
+    a mesh of that backend's devices (``flax_attention.shard``, inputs over ``data``)."""
     found = [Backend("cpu", jax.devices("cpu")[0], "cpu", strict)]
     with contextlib.suppress(RuntimeError):
         gpus = jax.devices("gpu")
@@ -87,6 +157,8 @@ def backends(names=None, strict=True) -> list[Backend]:
                 f"({', '.join(b.name for b in found)})"
             )
         found = [b for b in found if b.name in names]
+    if mesh is not None:
+        found = [dataclasses.replace(b, mesh=make_mesh(b.name, tuple(mesh))) for b in found]
     return found
 
 
@@ -138,11 +210,18 @@ def _constructor_args(case: Case, dropout: float | None):
 
 
 def build_pair(
-    case: Case, workdir: str, *, dropout: float | None = None, dtype="float32", dropout_seed=None
+    case: Case,
+    workdir: str,
+    *,
+    dropout: float | None = None,
+    dtype="float32",
+    dropout_seed=None,
+    mesh=None,
 ):
     """torch makes the weights from ``case.seed``; both sides load them from one safetensors file.
 
     Returns ``(torch_module, flax_module)`` in eval mode, or the two functions for a function case.
+    With a ``mesh``, the Flax module is placed on it by ``flax_attention.shard``.
     """
     if case.is_function:
         return getattr(tr, case.layer), getattr(fa, case.layer)
@@ -160,7 +239,22 @@ def build_pair(
     )
     fa.load_file(flax_module, path, strict=True)
     flax_module.eval()
+    if mesh is not None:
+        fa.shard(flax_module, mesh)
     return torch_module, flax_module
+
+
+def mesh_skip_reason(case: Case, backend: Backend) -> str | None:
+    """Why ``case`` cannot run on ``backend.mesh`` (a layer size that does not divide over the
+    mesh's ``model`` axis, as ``flax_attention.shard`` would say), or ``None``."""
+    if backend.mesh is None or case.is_function:
+        return None
+    module = getattr(fa, case.layer)(*_constructor_args(case, None), rngs=nnx.Rngs(0))
+    try:
+        fa.sharding.check_shardable(module, backend.mesh)
+    except ValueError as error:
+        return str(error)
+    return None
 
 
 # ---- calling both sides -----------------------------------------------------------------------
@@ -247,9 +341,9 @@ def compare(reference: dict, actual: dict, tol: float) -> tuple[float, float, bo
 
 
 def _row(case, backend, dtype, check, reference, actual, tol_key=None, ok=True) -> Row:
-    tol = tolerance(dtype, tol_key or check)
+    tol = tolerance(dtype, tol_key or check, backend.precision)
     abs_err, rel_err, passed, worst = compare(reference, actual, tol)
-    return Row(case.name, backend.name, dtype, check, abs_err, rel_err, tol, passed and ok, worst)
+    return Row(case.name, backend.label, dtype, check, abs_err, rel_err, tol, passed and ok, worst)
 
 
 # ---- the checks -------------------------------------------------------------------------------
@@ -263,9 +357,19 @@ def _prepare(case, backend, inputs, mask, dtype="float32"):
     """Inputs and mask for both sides: torch float32 tensors, jax arrays in ``dtype``."""
     t_inputs = [_to_torch(x, backend.torch_device) for x in inputs]
     t_mask = _to_torch(mask, backend.torch_device)
-    f_inputs = [jnp.asarray(x, DTYPES[dtype]) for x in inputs]
-    f_mask = None if mask is None else jnp.asarray(mask)
+    f_inputs = [_place(jnp.asarray(x, DTYPES[dtype]), backend.mesh) for x in inputs]
+    f_mask = None if mask is None else _place(jnp.asarray(mask), backend.mesh, batched=False)
     return t_inputs, t_mask, f_inputs, f_mask
+
+
+def _place(x, mesh, batched=True):
+    """On a mesh: a batched input ``(b, ..., t, d)`` split over ``data`` when ``b`` divides,
+    anything else (one unbatched sequence, a mask) replicated. Without a mesh: ``x``."""
+    if mesh is None:
+        return x
+    data = dict(mesh.shape)["data"]
+    split = batched and x.ndim >= 3 and x.shape[0] % data == 0
+    return jax.device_put(x, NamedSharding(mesh, PartitionSpec("data" if split else None)))
 
 
 def _named(case, outputs) -> dict:
@@ -274,7 +378,7 @@ def _named(case, outputs) -> dict:
 
 def check_forward(case: Case, backend: Backend, workdir: str, dtype="float32") -> list[Row]:
     """Eval-mode outputs (and returned weights) of both sides, by name."""
-    tm, fm = build_pair(case, workdir, dtype=dtype)
+    tm, fm = build_pair(case, workdir, dtype=dtype, mesh=backend.mesh)
     tm = _torch_on(tm, backend.torch_device)
     inputs = make_inputs(case)
     mask = make_mask(case, inputs)
@@ -340,7 +444,7 @@ def _torch_param_names(fm):
 
 def check_grad(case: Case, backend: Backend, workdir: str, dtype="float32") -> list[Row]:
     """Gradients of a fixed random cotangent w.r.t. every input and parameter, by torch name."""
-    tm, fm = build_pair(case, workdir)
+    tm, fm = build_pair(case, workdir, mesh=backend.mesh)
     tm = _torch_on(tm, backend.torch_device)
     inputs = make_inputs(case)
     mask = make_mask(case, inputs)
@@ -394,7 +498,7 @@ def check_train(case: Case, backend: Backend, workdir: str, dtype="float32") -> 
     inputs = make_inputs(case)
     mask = make_mask(case, inputs)
     for opt_name, (make_torch_opt, make_optax) in OPTIMIZERS.items():
-        tm, fm = build_pair(case, workdir)
+        tm, fm = build_pair(case, workdir, mesh=backend.mesh)
         tm = _torch_on(tm, backend.torch_device)
         t_inputs, t_mask, f_inputs, f_mask = _prepare(case, backend, inputs, mask)
         with torch.no_grad():
@@ -451,7 +555,7 @@ def check_train(case: Case, backend: Backend, workdir: str, dtype="float32") -> 
 
 def _check_shift_invariant(case, backend, workdir, inputs, mask, dtype) -> list[Row]:
     """The key bias: zero gradient on both sides, and no effect on the output when changed."""
-    tm, fm = build_pair(case, workdir)
+    tm, fm = build_pair(case, workdir, mesh=backend.mesh)
     names = [n for n, _ in tm.named_parameters() if is_shift_invariant(n)]
     if not names:
         return []
@@ -551,7 +655,7 @@ def check_dropout(case: Case, backend: Backend, workdir: str, dtype="float32") -
     inputs = make_inputs(case)
     mask = make_mask(case, inputs)
 
-    tm, fm = build_pair(case, workdir, dropout=rate)
+    tm, fm = build_pair(case, workdir, dropout=rate, mesh=backend.mesh)
     tm = _torch_on(tm, backend.torch_device).train()
     fm.train()
     inject_dropout(tm, fm, case.seed, rate)
@@ -585,7 +689,7 @@ DROPOUT_DRAWS = 64
 
 
 def _dropout_statistics(case, backend, workdir, f_inputs, f_mask, rate, dtype) -> Row:
-    _, fm = build_pair(case, workdir, dropout=rate)
+    _, fm = build_pair(case, workdir, dropout=rate, mesh=backend.mesh)
     fm.eval()
     eval_out = np.asarray(call_flax(case, fm, f_inputs, f_mask)[0], np.float64)
     fm.train()
@@ -616,7 +720,7 @@ def _dropout_statistics(case, backend, workdir, f_inputs, f_mask, rate, dtype) -
 
     # the same nnx.Rngs seed reproduces the draw; another seed does not
     def draw(seed):
-        _, module = build_pair(case, workdir, dropout=rate, dropout_seed=seed)
+        _, module = build_pair(case, workdir, dropout=rate, dropout_seed=seed, mesh=backend.mesh)
         module.train()
         return np.asarray(call_flax(case, module, f_inputs, f_mask)[0])
 
@@ -627,7 +731,7 @@ def _dropout_statistics(case, backend, workdir, f_inputs, f_mask, rate, dtype) -
     passed = bool(z_kept <= tol and z_mean <= tol and scale_err <= 1e-5 and same and other)
     label = f"z_kept={z_kept:.2f} z_mean={z_mean:.2f} scale_err={scale_err:.1e} seed={same}/{other}"
     return Row(
-        case.name, backend.name, dtype, "dropout/stats", worst, scale_err, tol, passed, label
+        case.name, backend.label, dtype, "dropout/stats", worst, scale_err, tol, passed, label
     )
 
 
@@ -644,7 +748,7 @@ def check_mask(case: Case, backend: Backend, workdir: str, dtype="float32") -> l
       output and gradient is finite.
     Each side is compared with itself (before/after), so the expected error is 0.
     """
-    tm, fm = build_pair(case, workdir)
+    tm, fm = build_pair(case, workdir, mesh=backend.mesh)
     tm = _torch_on(tm, backend.torch_device)
     inputs = make_inputs(case)
     mask = make_mask(case, inputs)

@@ -43,6 +43,7 @@ __all__ = [
     "LinearAxes",
     "TO_HEADS",
     "FROM_HEADS",
+    "check_shardable",
     "constrain",
     "mesh_axis_size",
     "partition_spec",
@@ -197,6 +198,12 @@ def _check_divisible(module, mesh) -> None:
                     )
 
 
+def check_shardable(module: nnx.Module, mesh: jax.sharding.Mesh) -> None:
+    """Raise what ``shard(module, mesh)`` would raise, without moving anything."""
+    _check_mesh(mesh)
+    _check_divisible(module, mesh)
+
+
 def shard(module: nnx.Module, mesh: jax.sharding.Mesh) -> nnx.Module:
     """Place every variable of ``module`` on ``mesh`` as its partition metadata says; return it.
 
@@ -211,8 +218,7 @@ def shard(module: nnx.Module, mesh: jax.sharding.Mesh) -> nnx.Module:
     for non-``Auto`` ``data``/``model`` axes or a size that does not divide over its mesh axis
     (``num_heads (6) must be divisible by the mesh's model axis (4)``), before anything moves.
     """
-    _check_mesh(mesh)
-    _check_divisible(module, mesh)
+    check_shardable(module, mesh)
     for _, node in nnx.iter_graph(module):
         if not isinstance(node, nnx.Variable):
             continue
