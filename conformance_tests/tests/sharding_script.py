@@ -1,7 +1,8 @@
 """Sharded layers against single-device ones; run by ``test_sharding.py`` in a subprocess.
 
 Needs 8 devices: ``XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m
-conformance_tests.tests.sharding_script OUT.json`` (the parent pytest's JAX stays single-device).
+conformance_tests.tests.sharding_script PART OUT.json`` with ``PART`` one of ``PARTS`` (the parent
+pytest's JAX stays single-device; two parts, so ``pytest -n 2`` runs them side by side).
 Writes one JSON record per check: ``{"check", "layer", "mesh", "max_diff", "passed", "detail"}``.
 Nothing here asserts: ``test_sharding.py`` reads the records and fails with their details.
 """
@@ -346,20 +347,20 @@ def check_errors(records):
         record(records, "error", type(module).__name__, None, 0.0, ok, detail)
 
 
-def main(path: str) -> None:
+PARTS = {
+    "layers": (check_layers,),
+    "placement": (check_missing_axes, check_load_keeps_sharding, check_orbax, check_errors),
+}
+
+
+def main(part: str, path: str) -> None:
     jax.config.update("jax_default_matmul_precision", "highest")
     jax.config.update("jax_numpy_rank_promotion", "raise")
     if jax.device_count() < 8:
         raise SystemExit(f"jax.device_count() ({jax.device_count()}) must be >= 8 (XLA_FLAGS)")
     records: list[dict] = []
     timings = {}
-    for check in (
-        check_layers,
-        check_missing_axes,
-        check_load_keeps_sharding,
-        check_orbax,
-        check_errors,
-    ):
+    for check in PARTS[part]:
         start = time.perf_counter()
         check(records)
         timings[check.__name__] = round(time.perf_counter() - start, 2)
@@ -368,4 +369,4 @@ def main(path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:])
