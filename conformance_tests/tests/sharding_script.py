@@ -347,9 +347,35 @@ def check_errors(records):
         record(records, "error", type(module).__name__, None, 0.0, ok, detail)
 
 
+def check_readme_example(records):
+    """The README's "Scaling out" block runs as written and shards what it says."""
+    import pathlib
+    import re
+
+    readme = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
+    (block,) = [
+        b for b in re.findall(r"```python\n(.*?)```", readme, flags=re.S) if "fa.shard(" in b
+    ]
+    namespace: dict = {}
+    try:
+        exec(compile(block, "README.md scaling out", "exec"), namespace)
+        y = namespace["y"]
+        ok = y.shape == (8, 128, 64) and y.sharding.spec[0] == "data"
+        detail = f"y {y.shape} {y.sharding.spec}"
+    except Exception as error:  # noqa: BLE001 - the record names what went wrong
+        ok, detail = False, f"{type(error).__name__}: {error}"
+    record(records, "readme_example", "MultiHeadAttention", (2, 4), 0.0, ok, detail)
+
+
 PARTS = {
     "layers": (check_layers,),
-    "placement": (check_missing_axes, check_load_keeps_sharding, check_orbax, check_errors),
+    "placement": (
+        check_missing_axes,
+        check_load_keeps_sharding,
+        check_orbax,
+        check_errors,
+        check_readme_example,
+    ),
 }
 
 
