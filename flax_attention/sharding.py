@@ -224,6 +224,8 @@ def shard(module: nnx.Module, mesh: jax.sharding.Mesh) -> nnx.Module:
             continue
         sharding = NamedSharding(mesh, partition_spec(node, mesh))
         value = node.get_value()
-        if isinstance(value, (jax.Array, np.ndarray)):
+        if isinstance(value, jax.core.Tracer):  # under jit: the compiled output is placed
+            node.set_value(jax.lax.with_sharding_constraint(value, sharding))
+        elif isinstance(value, (jax.Array, np.ndarray)):
             node.set_value(jax.device_put(value, sharding))
     return module

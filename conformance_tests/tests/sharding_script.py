@@ -347,6 +347,65 @@ def check_errors(records):
         record(records, "error", type(module).__name__, None, 0.0, ok, detail)
 
 
+def check_created_under_jit(records):
+    """``shard`` inside ``nnx.jit``: the layer comes out of the compiled function already placed
+    (never whole on one device), with the same weights as an eager one."""
+    mesh = make_mesh((2, 4))
+    make = LAYERS["MultiHeadAttention"][0]
+    created = nnx.jit(lambda: fa.shard(make(), mesh))()
+    eager = make()
+    problems = []
+    for (path, got), (_, want) in zip(
+        nnx.to_flat_state(nnx.state(created, nnx.Param)),
+        nnx.to_flat_state(nnx.state(eager, nnx.Param)),
+        strict=True,
+    ):
+        label = ".".join(map(str, path))
+        expected = NamedSharding(mesh, P(*expected_axes(path)))
+        if not got[...].sharding.is_equivalent_to(expected, got[...].ndim):
+            problems.append(f"{label} on {got[...].sharding.spec}")
+        if not np.array_equal(np.asarray(got[...]), np.asarray(want[...])):
+            problems.append(f"{label} differs")
+    record(
+        records,
+        "created_under_jit",
+        "MultiHeadAttention",
+        (2, 4),
+        0.0,
+        not problems,
+        "; ".join(problems),
+    )
+
+
+def check_constrain(records):
+    """``constrain``: a no-op without a mesh; under ``jax.set_mesh`` it places ``(b, t, h, d)``
+    as ``("data", None, "model", None)``; axes that do not divide are left unconstrained."""
+    from flax_attention.sharding import HEADS, constrain
+
+    mesh = make_mesh((2, 4))
+    x = np.ones((4, 3, 8, 2), np.float32)  # (b, t, h, d)
+    problems = []
+    if constrain(x, HEADS) is not x:
+        problems.append("without a mesh, constrain changed x")
+
+    def placed(x, axes):
+        with jax.set_mesh(mesh):
+            return jax.jit(lambda x: constrain(x * 1.0, axes))(x).sharding
+
+    cases = [
+        (x, HEADS, P("data", None, "model", None)),  # (b, t, h, d)
+        (np.ones((2, 4, 3, 8, 2), np.float32), HEADS, P("data", None, None, "model", None)),
+        (np.ones((3, 8, 2), np.float32), HEADS, P(None, "model", None)),  # unbatched: no data
+        (np.ones((3, 3, 8, 2), np.float32), HEADS, P(None, None, "model", None)),  # b=3 odd
+        (np.ones((4, 3, 6, 2), np.float32), HEADS, P("data", None, None, None)),  # h=6 odd
+    ]
+    for value, axes, expected in cases:
+        got = placed(value, axes)
+        if not got.is_equivalent_to(NamedSharding(mesh, expected), value.ndim):
+            problems.append(f"{value.shape}: {got.spec}, want {expected}")
+    record(records, "constrain", "", (2, 4), 0.0, not problems, "; ".join(problems))
+
+
 def check_readme_example(records):
     """The README's "Scaling out" block runs as written and shards what it says."""
     import pathlib
@@ -374,6 +433,8 @@ PARTS = {
         check_load_keeps_sharding,
         check_orbax,
         check_errors,
+        check_created_under_jit,
+        check_constrain,
         check_readme_example,
     ),
 }

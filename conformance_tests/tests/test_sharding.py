@@ -72,8 +72,8 @@ def test_sharded_layers_equal_single_device(tmp_path):
 def test_placement_checkpoints_and_errors(tmp_path):
     """A mesh without ``model``/``data`` replicates; ``load_state_dict`` keeps shardings; orbax
     restores a checkpoint saved on one mesh onto another bit for bit; non-dividing heads,
-    explicit mesh axes and non-meshes are refused, leaving the module untouched; the README's
-    example runs."""
+    explicit mesh axes and non-meshes are refused, leaving the module untouched; ``shard`` under
+    ``nnx.jit`` creates a placed layer; ``constrain`` places heads; the README's example runs."""
     records = run_part("placement", tmp_path)
     assert_all_passed(
         records,
@@ -82,6 +82,8 @@ def test_placement_checkpoints_and_errors(tmp_path):
             "load_keeps_sharding": 1,
             "orbax_round_trip": 2,
             "error": 7,
+            "created_under_jit": 1,
+            "constrain": 1,
             "readme_example": 1,
         },
     )
