@@ -288,7 +288,7 @@ def call_torch(case: Case, module, inputs, mask) -> tuple:
 
 def call_flax(case: Case, module, inputs, mask) -> tuple:
     out = module(*_call_args(case, inputs, mask))
-    if case.layer == "MultiHeadedAttention":
+    if case.layer == "MultiHeadedAttention" and module.keep_attention_score:
         out = (out, module.attention_score[...])
     return out if isinstance(out, tuple) else (out,)
 

@@ -7,14 +7,21 @@ cross from torch with ``load_state_dict``/``load_file`` and back with ``state_di
 places a layer on a device mesh (``flax_attention.sharding``).
 """
 
-from flax_attention.annotated import MultiHeadedAttention, attention, clones
+from flax_attention.annotated import MultiHeadedAttention, ProjectedKV, attention, clones
+from flax_attention.cache import generate
 from flax_attention.causal import (
     CausalAttention,
     MultiHeadAttentionWrapper,
     causal_attn_weights_masked_fill,
     causal_attn_weights_renormalized,
 )
-from flax_attention.core import causal_mask, dot_product_attention, masked_softmax
+from flax_attention.core import (
+    IMPLEMENTATIONS,
+    causal_mask,
+    dot_product_attention,
+    masked_softmax,
+    select_implementation,
+)
 from flax_attention.multihead import MultiHeadAttention
 from flax_attention.self_attention import (
     SelfAttention,
@@ -47,10 +54,14 @@ __all__ = [
     "MultiHeadedAttention",
     "attention",
     "clones",
-    # Flax only: the attention core and the weight bridge.
+    # Flax only: the attention core, decoding and the weight bridge.
+    "IMPLEMENTATIONS",
     "causal_mask",
     "masked_softmax",
     "dot_product_attention",
+    "select_implementation",
+    "ProjectedKV",
+    "generate",
     "IncompatibleKeys",
     "load_state_dict",
     "state_dict",

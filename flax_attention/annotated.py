@@ -6,6 +6,9 @@ Shape legend: ``b`` batch, ``h`` = ``num_heads``, ``t`` = ``q_len`` query tokens
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -20,10 +23,11 @@ from flax_attention._checks import (
     check_same,
 )
 from flax_attention._init import linear_factory, set_linear_axes
+from flax_attention.causal import check_implementation
 from flax_attention.core import dot_product_attention
 from flax_attention.sharding import FROM_HEADS, TO_HEADS
 
-__all__ = ["MultiHeadedAttention", "attention", "clones"]
+__all__ = ["MultiHeadedAttention", "attention", "clones"]  # as torch_reference.annotated
 
 #: Document 001 fills ``mask == 0`` with this finite value, not ``-inf``.
 MASK_FILL_VALUE = -1e10
@@ -31,6 +35,14 @@ MASK_FILL_VALUE = -1e10
 
 class AttentionScore(nnx.Intermediate):
     """The last attention weights ``(b, h, q_len, k_len)`` of a ``MultiHeadedAttention`` call."""
+
+
+class ProjectedKV(NamedTuple):
+    """Keys and values already through ``W^K``/``W^V``, ``(b, k_len, h, d)`` each: an encoder's
+    memory projected once (``MultiHeadedAttention.project_kv``) for every decoder step."""
+
+    keys: jax.Array
+    values: jax.Array
 
 
 class MultiHeadedAttention(nnx.Module):
@@ -43,6 +55,12 @@ class MultiHeadedAttention(nnx.Module):
     ``self.attention_score`` (an ``AttentionScore`` variable, ``None`` before the first call).
 
     As in the document, the four projections are ``clones`` of one ``Linear``: they start equal.
+
+    Flax options: ``implementation`` (``flax_attention.core``) and ``keep_attention_score``:
+    ``True`` (the document) needs the weights, so ``implementation=None`` runs ``reference``;
+    ``False`` leaves ``attention_score`` ``None`` and lets ``None`` pick a faster kernel. A
+    decoder attending to a fixed memory projects it once, ``kv = mha.project_kv(key, value)``,
+    and then calls ``mha(query, mask=mask, kv=kv)`` at every step.
     """
 
     def __init__(
@@ -51,6 +69,8 @@ class MultiHeadedAttention(nnx.Module):
         d_model: int,
         dropout: float = 0.1,
         *,
+        implementation: str | None = None,
+        keep_attention_score: bool = True,
         dtype=None,
         param_dtype=jnp.float32,
         precision=None,
@@ -60,9 +80,17 @@ class MultiHeadedAttention(nnx.Module):
         check_positive_int("d_model", d_model)
         check_dropout(dropout)
         check_divisible("d_model", d_model, num_heads)
+        check_implementation(implementation)
+        if implementation not in (None, "reference") and keep_attention_score:
+            raise ValueError(
+                f"implementation ({implementation!r}) must be 'reference' or None while "
+                "keep_attention_score (True) keeps the weights (pass keep_attention_score=False)"
+            )
         # Assume v_dim always equals k_dim
         self.k_dim = d_model // num_heads
         self.num_heads = num_heads
+        self.implementation = implementation
+        self.keep_attention_score = keep_attention_score
         self.precision = precision
         linear = linear_factory(
             dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs
@@ -72,29 +100,46 @@ class MultiHeadedAttention(nnx.Module):
         self.attention_score = nnx.data(None)
         self.dropout = nnx.Dropout(dropout, rngs=rngs)
 
-    def __call__(self, query, key, value, mask=None):
+    def _split_heads(self, proj_weight, x):
+        return proj_weight(x).reshape(*x.shape[:-1], self.num_heads, self.k_dim)
+
+    def project_kv(self, key, value) -> ProjectedKV:
+        """``key``, ``value`` ``(b, k_len, d_model)`` through ``W^K``, ``W^V``: two
+        ``(b, k_len, h, d)`` arrays, to pass as ``kv=`` to every later call."""
+        _check_inputs(key, key, value, None, self.num_heads * self.k_dim)
+        return ProjectedKV(
+            self._split_heads(self.proj_weights[1], key),
+            self._split_heads(self.proj_weights[2], value),
+        )
+
+    def __call__(self, query, key=None, value=None, mask=None, *, kv: ProjectedKV | None = None):
         d_model = self.num_heads * self.k_dim
-        _check_inputs(query, key, value, mask, d_model)
+        if kv is None:
+            _check_inputs(query, key, value, mask, d_model)
+        else:
+            _check_projected(query, key, value, mask, kv, self.num_heads, self.k_dim)
         if mask is not None:
             mask = jnp.asarray(mask)[:, None]  # (b or 1, 1, t or 1, s)
 
         # 1) Apply W^Q, W^K, W^V; (b, seq_len, d_model) -> (b, seq_len, h, d)
-        query, key, value = [
-            proj_weight(x).reshape(*x.shape[:-1], self.num_heads, self.k_dim)
-            for proj_weight, x in zip(self.proj_weights, [query, key, value], strict=False)
-        ]
+        if kv is None:
+            kv = self.project_kv(key, value)
+        query = self._split_heads(self.proj_weights[0], query)
 
         # 2) Attention and the weights, (b, t, h, d) and (b, h, t, s)
         out, attention_score = dot_product_attention(
             query,
-            key,
-            value,
+            kv.keys,
+            kv.values,
             None if mask is None else mask != 0,
             fill_value=MASK_FILL_VALUE,
             dropout=self.dropout,
             precision=self.precision,
+            implementation=self.implementation,
+            need_weights=self.keep_attention_score,
         )
-        self.attention_score = AttentionScore(attention_score)
+        if self.keep_attention_score:
+            self.attention_score = AttentionScore(attention_score)
 
         # 3) "Concat" output, (b, t, d_model)
         out = out.reshape(*out.shape[:-2], d_model)
@@ -134,20 +179,42 @@ def attention(query, key, value, mask=None, dropout=None, *, precision=None):
     return out[..., 0, :], attention_score[..., 0, :, :]
 
 
-def _check_inputs(query, key, value, mask, d_model):
-    for name, x in (("query", query), ("key", key), ("value", value)):
+def _check_projected(query, key, value, mask, kv, num_heads, k_dim):
+    """The checks of a call with ``kv`` (projected keys and values) instead of key and value."""
+    if key is not None or value is not None:
+        raise ValueError("key and value must be None when kv (projected keys and values) is given")
+    if not isinstance(kv, ProjectedKV):
+        raise TypeError(f"kv ({type(kv).__name__}) must be a ProjectedKV (from project_kv)")
+    _check_features(("query", query), d_model=num_heads * k_dim)
+    expected = (jnp.shape(query)[0], jnp.shape(kv.keys)[1], num_heads, k_dim)
+    check_same("kv.keys.shape", tuple(jnp.shape(kv.keys)), "(b, k_len, h, d)", expected)
+    check_same("kv.values.shape", tuple(jnp.shape(kv.values)), "kv.keys.shape", expected)
+    _check_mask(mask, (expected[0], jnp.shape(query)[1], expected[1]))
+
+
+def _check_features(*named, d_model):
+    for name, x in named:
         shape = jnp.shape(x)
         check_rank(name, shape, (3,), "b, seq_len, d_model")
         check_features(name, shape, d_model, "d_model")
         dtype = jnp.result_type(x)
         check_floating(name, str(dtype), jnp.issubdtype(dtype, jnp.floating))
-    q_shape, k_shape, v_shape = jnp.shape(query), jnp.shape(key), jnp.shape(value)
-    check_same("key.shape[0]", k_shape[0], "query.shape[0]", q_shape[0])
-    check_same("value.shape[0]", v_shape[0], "query.shape[0]", q_shape[0])
-    check_same("value.shape[1]", v_shape[1], "key.shape[1]", k_shape[1])
+
+
+def _check_mask(mask, expected):
+    """``mask`` (or ``None``) against ``expected`` = ``(b, q_len, k_len)``."""
     if mask is not None:
         dtype = jnp.result_type(mask)
         valid = jnp.issubdtype(dtype, jnp.bool_) or (
             jnp.issubdtype(dtype, jnp.number) and not jnp.issubdtype(dtype, jnp.complexfloating)
         )
-        check_mask(jnp.shape(mask), (q_shape[0], q_shape[1], k_shape[1]), valid, str(dtype))
+        check_mask(jnp.shape(mask), expected, valid, str(dtype))
+
+
+def _check_inputs(query, key, value, mask, d_model):
+    _check_features(("query", query), ("key", key), ("value", value), d_model=d_model)
+    q_shape, k_shape, v_shape = jnp.shape(query), jnp.shape(key), jnp.shape(value)
+    check_same("key.shape[0]", k_shape[0], "query.shape[0]", q_shape[0])
+    check_same("value.shape[0]", v_shape[0], "query.shape[0]", q_shape[0])
+    check_same("value.shape[1]", v_shape[1], "key.shape[1]", k_shape[1])
+    _check_mask(mask, (q_shape[0], q_shape[1], k_shape[1]))

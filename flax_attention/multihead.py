@@ -13,7 +13,6 @@ from flax import nnx
 from flax_attention._checks import check_divisible, check_positive_int
 from flax_attention._init import linear_factory
 from flax_attention.causal import CausalMaskMixin, check_causal_args
-from flax_attention.core import causal_mask, dot_product_attention
 from flax_attention.sharding import FROM_HEADS, TO_HEADS
 
 __all__ = ["MultiHeadAttention"]
@@ -22,7 +21,8 @@ __all__ = ["MultiHeadAttention"]
 class MultiHeadAttention(CausalMaskMixin, nnx.Module):
     """Documents 000 and 002, ``MultiHeadAttention``: split heads, causal attention, ``out_proj``.
 
-    ``x`` ``(..., num_tokens, d_in)`` -> ``(..., num_tokens, d_out)``.
+    ``x`` ``(..., num_tokens, d_in)`` -> ``(..., num_tokens, d_out)``. ``implementation``,
+    ``init_cache`` and ``decode=True`` as in ``CausalAttention``.
     """
 
     def __init__(
@@ -34,19 +34,21 @@ class MultiHeadAttention(CausalMaskMixin, nnx.Module):
         num_heads: int,
         qkv_bias: bool = False,
         *,
+        implementation: str | None = None,
         dtype=None,
         param_dtype=jnp.float32,
         precision=None,
         rngs: nnx.Rngs,
     ):
         check_positive_int("num_heads", num_heads)
-        check_causal_args(d_in, d_out, context_length, dropout)
+        check_causal_args(d_in, d_out, context_length, dropout, implementation)
         check_divisible("d_out", d_out, num_heads)
         self.d_in = d_in
         self.d_out = d_out
         self.num_heads = num_heads
         self.head_dim = d_out // num_heads
         self.context_length = context_length
+        self.implementation = implementation
         self.precision = precision
         linear = linear_factory(
             dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs
@@ -60,19 +62,14 @@ class MultiHeadAttention(CausalMaskMixin, nnx.Module):
     def _split_heads(self, x):
         return x.reshape(*x.shape[:-1], self.num_heads, self.head_dim)  # (..., t, h, d)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def _cache_heads(self):
+        return self.num_heads, self.head_dim
+
+    def __call__(self, x: jax.Array, *, decode: bool = False) -> jax.Array:
         self._check_causal_input(x)
-        num_tokens = x.shape[-2]
         keys = self._split_heads(self.W_key(x))  # (..., t, h, d)
         queries = self._split_heads(self.W_query(x))  # (..., t, h, d)
         values = self._split_heads(self.W_value(x))  # (..., t, h, d)
-        context_vec, _ = dot_product_attention(
-            queries,
-            keys,
-            values,
-            causal_mask(num_tokens, num_tokens),
-            dropout=self.dropout,
-            precision=self.precision,
-        )  # (..., t, h, d)
+        context_vec = self._causal_attention(queries, keys, values, decode)  # (..., t, h, d)
         context_vec = context_vec.reshape(*x.shape[:-1], self.d_out)  # (..., t, d_out)
         return self.out_proj(context_vec)  # (..., t, d_out)

@@ -93,14 +93,12 @@ def test_a_wrong_scale_fails_the_report(monkeypatch, tmp_path):
 
 
 def test_a_leaky_causal_mask_fails_the_mask_check(monkeypatch, tmp_path):
-    import flax_attention.causal as causal
-    import flax_attention.multihead as multihead
+    import flax_attention.core as core
 
     def leaky(num_queries, num_keys, offset=0):
         return jnp.ones((num_queries, num_keys), bool)
 
-    monkeypatch.setattr(causal, "causal_mask", leaky)
-    monkeypatch.setattr(multihead, "causal_mask", leaky)
+    monkeypatch.setattr(core, "causal_mask", leaky)
     code, rows = _report(tmp_path, "--cases", "mha_odd_heads", "--checks", "mask")
     assert code == 1
     assert [r["passed"] for r in rows] == [False]

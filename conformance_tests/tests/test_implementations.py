@@ -1,0 +1,257 @@
+"""Every ``implementation`` of the attention core equals ``reference`` and torch, gradients too.
+
+Two levels:
+
+1. The spec's cases for every layer with an ``implementation`` option: torch's weights loaded into
+   the Flax layer, the layer switched to ``xla`` or ``blocked`` (``MultiHeadedAttention`` with
+   ``keep_attention_score=False``: only ``reference`` returns weights), outputs and gradients
+   compared with torch through the harness, under the spec's float32 tolerances. ``blocked``
+   runs with 4-token tiles so the documents' 6 and 7 tokens cross several tiles and end in a
+   partial one.
+2. The core function on the shapes the layers do not reach: one token, cross lengths, a key
+   length that is not a multiple of the tile, padding and arbitrary masks, a fully masked row,
+   queries at an offset (decode), ``v_dim != k_dim``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import flax_attention as fa
+import flax_attention.core as core
+from conformance_tests import harness, spec
+from conformance_tests.tolerances import tolerance
+
+CPU = harness.backends(["cpu"])[0]
+FAST = ("xla", "blocked")
+LAYERS = ("CausalAttention", "MultiHeadAttentionWrapper", "MultiHeadAttention")
+CASES = [
+    c
+    for c in spec.CASES
+    if (c.layer in LAYERS or c.layer == "MultiHeadedAttention") and "large" not in c.tags
+]
+LARGE = [c for c in spec.CASES if c.name in ("gpt2_mha", "gpt2_annotated")]
+
+
+@pytest.fixture(autouse=True)
+def small_tiles(monkeypatch):
+    monkeypatch.setattr(core, "BLOCK_SIZE", 4)
+
+
+def set_implementation(module, implementation):
+    """Switch every attention layer inside ``module`` to ``implementation``."""
+    for _, node in nnx.iter_graph(module):
+        if hasattr(node, "implementation"):
+            node.implementation = implementation
+        if isinstance(node, fa.MultiHeadedAttention):
+            node.keep_attention_score = implementation in (None, "reference")
+
+
+def _out_only(case, named):
+    """``MultiHeadedAttention`` returns its weights only in ``reference``: compare ``out``."""
+    return {k: v for k, v in named.items() if k != "attention_score"}
+
+
+def _pair(case, tmp_path, implementation):
+    tm, fm = harness.build_pair(case, str(tmp_path))
+    set_implementation(fm, implementation)
+    inputs = harness.make_inputs(case)
+    mask = harness.make_mask(case, inputs)
+    return tm, fm, *harness._prepare(case, CPU, inputs, mask)
+
+
+def _assert_close(reference, actual, tol, what):
+    abs_err, _, passed, worst = harness.compare(reference, actual, tol)
+    assert passed, f"{what}: max_abs_err {abs_err:.3e} > tol {tol:.1e} (worst {worst!r})"
+
+
+@pytest.mark.parametrize("implementation", FAST)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_layer_forward_equals_torch(case, implementation, tmp_path):
+    tm, fm, t_inputs, t_mask, f_inputs, f_mask = _pair(case, tmp_path, implementation)
+    with jax.default_matmul_precision("highest"):
+        reference = _out_only(
+            case, harness._named(case, harness.call_torch(case, tm, t_inputs, t_mask))
+        )
+        actual = {"out": harness.call_flax(case, fm, f_inputs, f_mask)[0]}
+    key = "forward:documents" if case.uses_documents_input else "forward"
+    _assert_close(reference, actual, tolerance("float32", key), f"{case.name} {implementation}")
+
+
+@pytest.mark.parametrize("implementation", FAST)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_layer_gradients_equal_torch(case, implementation, tmp_path):
+    tm, fm, t_inputs, t_mask, f_inputs, f_mask = _pair(case, tmp_path, implementation)
+    _, _, cotangents = harness.torch_grads(case, tm, t_inputs, t_mask)
+    cotangents = cotangents[:1]  # the output only: the fast paths return no weights
+    _, reference, _ = harness.torch_grads(case, tm, t_inputs, t_mask, cotangents)
+    with jax.default_matmul_precision("highest"):
+        actual = harness.flax_grads(case, fm, f_inputs, f_mask, cotangents)
+    _assert_close(reference, actual, tolerance("float32", "grad"), f"{case.name} {implementation}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", LARGE, ids=lambda c: c.name)
+def test_gpt2_size_blocked_equals_torch(case, tmp_path, monkeypatch):
+    monkeypatch.setattr(core, "BLOCK_SIZE", 128)  # the default tile, 8 x 8 tiles, half skipped
+    tm, fm, t_inputs, t_mask, f_inputs, f_mask = _pair(case, tmp_path, "blocked")
+    import torch
+
+    with torch.no_grad():
+        reference = {"out": harness.call_torch(case, tm, t_inputs, t_mask)[0]}
+    with jax.default_matmul_precision("highest"):
+        actual = {"out": harness.call_flax(case, fm, f_inputs, f_mask)[0]}
+    _assert_close(reference, actual, tolerance("float32", "forward"), case.name)
+
+
+# ---- the core function ------------------------------------------------------------------------
+
+#: (name, batch, t, s, h, d_k, d_v, is_causal, mask kind, query_offset, fill_value)
+CORE_CASES = [
+    ("one_token", (2,), 1, 1, 2, 4, 4, True, None, 0, -np.inf),
+    ("partial_tile", (2,), 13, 13, 3, 4, 4, True, None, 0, -np.inf),
+    ("two_batch_axes", (2, 3), 9, 9, 2, 4, 4, True, None, 0, -np.inf),
+    ("cross_padding", (3,), 7, 11, 2, 4, 4, False, "padding", 0, -1e10),
+    ("cross_random_mask", (2,), 7, 11, 2, 4, 4, False, "random", 0, -1e10),
+    ("fully_masked_row", (1,), 7, 7, 2, 4, 4, False, "row0", 0, -1e10),
+    ("causal_fully_masked_row", (1,), 7, 7, 2, 4, 4, True, "row0", 0, -1e10),
+    ("decode_offset", (2,), 3, 16, 2, 4, 4, True, None, 5, -np.inf),
+    ("decode_one_token", (2,), 1, 16, 2, 4, 4, True, None, 9, -np.inf),
+    ("v_dim_differs", (2,), 6, 10, 2, 4, 7, False, None, 0, -np.inf),
+]
+
+
+def _core_inputs(batch, t, s, h, d_k, d_v, mask_kind, seed=0):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((*batch, t, h, d_k)).astype(np.float32)
+    k = rng.standard_normal((*batch, s, h, d_k)).astype(np.float32)
+    v = rng.standard_normal((*batch, s, h, d_v)).astype(np.float32)
+    mask = None
+    if mask_kind == "padding":  # (b, 1, 1, s), each row keeps a prefix of >= 1 key
+        keep = rng.integers(1, s + 1, size=batch)
+        mask = (np.arange(s) < keep[..., None])[..., None, None, :]
+    elif mask_kind == "random":
+        mask = rng.random((*batch, h, t, s)) > 0.3
+    elif mask_kind == "row0":
+        mask = np.ones((1, 1, t, s), bool)
+        mask[..., 0, :] = False
+    cotangent = rng.standard_normal((*batch, t, h, d_v)).astype(np.float32)
+    return q, k, v, mask, cotangent
+
+
+@pytest.mark.parametrize(
+    ("name", "batch", "t", "s", "h", "d_k", "d_v", "is_causal", "mask_kind", "offset", "fill"),
+    CORE_CASES,
+    ids=[c[0] for c in CORE_CASES],
+)
+@pytest.mark.parametrize("implementation", FAST)
+def test_core_equals_reference(
+    implementation, name, batch, t, s, h, d_k, d_v, is_causal, mask_kind, offset, fill
+):
+    if implementation == "xla" and d_v != d_k:
+        with pytest.raises(ValueError, match=r"values.shape\[-1\] \(7\) must equal"):
+            core.dot_product_attention(
+                *_core_inputs(batch, t, s, h, d_k, d_v, mask_kind)[:3],
+                implementation="xla",
+                need_weights=False,
+            )
+        return
+    q, k, v, mask, cotangent = _core_inputs(batch, t, s, h, d_k, d_v, mask_kind)
+
+    def run(impl):
+        def loss(q, k, v):
+            out, _ = core.dot_product_attention(
+                q,
+                k,
+                v,
+                mask,
+                is_causal=is_causal,
+                query_offset=offset,
+                fill_value=fill,
+                implementation=impl,
+                need_weights=impl == "reference",
+            )
+            return (out * cotangent).sum(), out
+
+        with jax.default_matmul_precision("highest"):
+            (_, out), grads = jax.jit(jax.value_and_grad(loss, (0, 1, 2), has_aux=True))(q, k, v)
+        return {"out": out, "d_query": grads[0], "d_key": grads[1], "d_value": grads[2]}
+
+    reference, actual = run("reference"), run(implementation)
+    assert np.isfinite(np.asarray(reference["out"])).all(), "reference must be finite here"
+    _assert_close(
+        {"out": reference["out"]}, {"out": actual["out"]}, tolerance("float32", "forward"), name
+    )
+    del reference["out"], actual["out"]
+    _assert_close(reference, actual, tolerance("float32", "grad"), name)
+
+
+def test_causal_fully_masked_row_attends_to_its_first_key_only():
+    """With ``is_causal`` and a mask that hides all of row 0, the causal exclusion (``-inf``)
+    still holds: the only key left is key 0 at ``fill_value``, so row 0's output is ``v[0]``."""
+    q, k, v, mask, _ = _core_inputs((1,), 5, 5, 1, 4, 4, "row0")
+    for impl in ("reference", "xla", "blocked"):
+        out, _ = core.dot_product_attention(
+            q, k, v, mask, is_causal=True, fill_value=-1e10, implementation=impl, need_weights=False
+        )
+        np.testing.assert_allclose(np.asarray(out)[0, 0], v[0, 0], atol=1e-6, err_msg=impl)
+
+
+def test_blocked_skips_the_tiles_the_causal_mask_removes():
+    """Query tile ``i`` visits key tiles ``0..i``: with 4 x 4 tiles over 16 tokens that is 10 of
+    the 16 tiles, counted from the kernel's own bound."""
+    config = core._BlockConfig(4, 4, 16, 16, True, -np.inf, None)
+    visited = [int(core._key_blocks(config, 0, i)) for i in range(4)]
+    assert visited == [1, 2, 3, 4]
+    dense = core._BlockConfig(4, 4, 16, 16, False, -np.inf, None)
+    assert [int(core._key_blocks(dense, 0, i)) for i in range(4)] == [4, 4, 4, 4]
+    # A key tile's first query tile (the backward's bound): tile j is first seen by tile j.
+    assert [int(core._first_query_block(config, 0, j)) for j in range(4)] == [0, 1, 2, 3]
+
+
+def test_implementations_reject_what_they_cannot_do():
+    q = jnp.ones((1, 4, 1, 2))
+    with pytest.raises(ValueError, match=r"implementation \('fast'\) must be one of"):
+        core.dot_product_attention(q, q, q, implementation="fast")
+    with pytest.raises(ValueError, match=r"implementation \('blocked'\) must be 'reference'"):
+        core.dot_product_attention(q, q, q, implementation="blocked", need_weights=True)
+    dropout = nnx.Dropout(0.5, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="while dropout is active"):
+        core.dot_product_attention(
+            q, q, q, dropout=dropout, implementation="xla", need_weights=False
+        )
+    if jax.default_backend() != "gpu":
+        with pytest.raises(ValueError, match=r"implementation \('cudnn'\) must run on an NVIDIA"):
+            core.dot_product_attention(q, q, q, implementation="cudnn", need_weights=False)
+    with pytest.raises(ValueError, match=r"implementation \('flash'\) must be one of"):
+        fa.MultiHeadAttention(4, 4, 4, 0.0, 2, implementation="flash", rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="keep_attention_score"):
+        fa.MultiHeadedAttention(2, 4, 0.0, implementation="xla", rngs=nnx.Rngs(0))
+
+
+def test_none_picks_reference_for_weights_and_dropout_and_blocked_for_long_inputs():
+    short, long = jnp.ones((1, 8, 1, 2)), jnp.ones((1, 512, 1, 2))
+    dropout = nnx.Dropout(0.5, rngs=nnx.Rngs(0))
+    assert core.select_implementation(long, long, need_weights=True) == "reference"
+    assert core.select_implementation(long, long, dropout=dropout) == "reference"
+    dropout.eval()
+    if jax.default_backend() == "cpu":
+        assert core.select_implementation(long, long, dropout=dropout) == "blocked"
+        assert core.select_implementation(short, short) == "reference"
+
+
+def test_train_mode_dropout_still_works_with_the_default_implementation():
+    """Dropout lives in ``reference``: ``None`` picks it in train mode, whatever the length."""
+    layer = fa.MultiHeadAttention(8, 8, 128, 0.5, 2, rngs=nnx.Rngs(0))
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((1, 128, 8)), jnp.float32)
+    layer.eval()
+    clean = layer(x)
+    layer.train()
+    dropped = layer(x)
+    assert float(jnp.abs(dropped - clean).max()) > 1e-2  # dropout changed the output
+    layer.eval()
+    np.testing.assert_array_equal(np.asarray(layer(x)), np.asarray(clean))

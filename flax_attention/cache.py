@@ -1,0 +1,157 @@
+"""The decode cache of the causal layers, and a jitted generation loop over it.
+
+A layer with a cache keeps, as ``nnx.Cache`` variables (state, not parameters):
+
+- ``cached_key``, ``cached_value``: ``(..., max_length, h, d)``, the projected keys and values of
+  every token seen so far (``h = 1``, ``d = d_out`` for the single-head ``CausalAttention``;
+  the wrapper keeps one cache per head), zeros beyond ``cache_index``;
+- ``cache_index``: int32 scalar, how many tokens the cache holds (the position of the next one).
+
+``layer(x, decode=True)`` appends ``x``'s ``n >= 1`` tokens (a prompt chunk or one step) at
+``cache_index`` and attends from them to every cached token at or before their own position, so
+prefill + decode steps give exactly the full causal pass. Outside ``jit`` a call that would
+overflow the cache raises ``ValueError``; inside ``jit`` (where the index is not known) it leaves
+the cache untouched and returns NaN, never a silently wrong result.
+"""
+
+from __future__ import annotations
+
+import functools
+import numbers
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from flax_attention._checks import check_positive_int
+
+__all__ = ["DecodeCacheMixin", "generate"]
+
+
+class DecodeCacheMixin:
+    """``init_cache`` and the cache update, for layers with ``context_length`` and
+    ``_cache_heads()`` (the ``(h, d)`` of their keys and values)."""
+
+    context_length: int
+
+    def init_cache(self, batch_size, max_length: int | None = None, dtype=None) -> None:
+        """Allocate an empty decode cache for ``batch_size`` sequences of ``max_length`` tokens.
+
+        Args:
+          batch_size: an int, or a tuple of ints for several leading batch axes.
+          max_length: tokens the cache holds; defaults to (and may not exceed) ``context_length``.
+          dtype: of the cached keys and values; defaults to the layer's computation dtype.
+        """
+        batch_shape = (batch_size,) if isinstance(batch_size, numbers.Integral) else batch_size
+        if not isinstance(batch_shape, tuple) or not batch_shape:
+            raise TypeError(
+                f"batch_size ({batch_size!r}) must be an int or a non-empty tuple of ints"
+            )
+        for size in batch_shape:
+            check_positive_int("batch_size", size)
+        max_length = self.context_length if max_length is None else max_length
+        check_positive_int("max_length", max_length)
+        if max_length > self.context_length:
+            raise ValueError(
+                f"max_length ({max_length}) must not exceed context_length ({self.context_length})"
+            )
+        heads, head_dim = self._cache_heads()
+        dtype = dtype or self._compute_dtype()
+        shape = (*batch_shape, max_length, heads, head_dim)  # (..., max_length, h, d)
+        self.cached_key = nnx.Cache(jnp.zeros(shape, dtype))
+        self.cached_value = nnx.Cache(jnp.zeros(shape, dtype))
+        self.cache_index = nnx.Cache(jnp.array(0, jnp.int32))
+
+    def _compute_dtype(self):
+        dtype = getattr(self.W_query, "dtype", None)
+        return dtype or self.W_query.kernel.dtype
+
+    def _append_to_cache(self, keys, values):
+        """Write ``keys``/``values`` ``(..., n, h, d)`` at ``cache_index``.
+
+        Returns the whole cache ``(..., max_length, h, d)`` twice, the position of the first new
+        token (the queries' offset) and whether the tokens fitted (always ``True`` outside jit).
+        """
+        if not hasattr(self, "cache_index"):
+            raise ValueError(
+                "decode (True) needs a decode cache (call init_cache(batch_size) first)"
+            )
+        cache_shape = self.cached_key.shape
+        num_new, max_length = keys.shape[-3], cache_shape[-3]
+        if keys.shape[:-3] != cache_shape[:-3]:
+            raise ValueError(
+                f"x's batch shape ({keys.shape[:-3]}) must equal the cache's batch shape "
+                f"({cache_shape[:-3]}) (init_cache(batch_size))"
+            )
+        index = self.cache_index[...]
+        if not isinstance(index, jax.core.Tracer) and int(index) + num_new > max_length:
+            raise ValueError(
+                f"cache_index + num_tokens ({int(index)} + {num_new}) must not exceed the "
+                f"cache's max_length ({max_length}) (init_cache(..., max_length) or a new cache)"
+            )
+        fits = index + num_new <= max_length
+
+        def write(cache, new):
+            updated = jax.lax.dynamic_update_slice_in_dim(
+                cache, new.astype(cache.dtype), index, axis=cache.ndim - 3
+            )
+            return jax.lax.select(fits, updated, cache)
+
+        self.cached_key[...] = write(self.cached_key[...], keys)
+        self.cached_value[...] = write(self.cached_value[...], values)
+        self.cache_index[...] = jnp.where(fits, index + num_new, index)
+        return self.cached_key[...], self.cached_value[...], index, fits
+
+
+def poison_unless(fits, x):
+    """``x`` where the tokens fitted in the cache, NaN where they did not (inside jit)."""
+    return jnp.where(fits, x, jnp.asarray(jnp.nan, x.dtype))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 3, 4))
+def _generate(graphdef, state, prompt, num_steps, next_input):
+    module = nnx.merge(graphdef, state)
+    y = module(prompt, decode=True)[..., -1:, :]  # (..., 1, d_out)
+
+    def step(carry, _):
+        state, y = carry
+        module = nnx.merge(graphdef, state)
+        y = module(next_input(y), decode=True)  # (..., 1, d_out)
+        return (nnx.state(module), y), y[..., 0, :]
+
+    (state, _), ys = jax.lax.scan(step, (nnx.state(module), y), length=num_steps)
+    first = y[..., 0, :]
+    return state, jnp.concatenate([first[None], ys], axis=0)  # (steps + 1, ..., d_out)
+
+
+def _identity(y):
+    return y
+
+
+def generate(module, prompt, num_steps: int, next_input=_identity):
+    """Prefill the cache with ``prompt`` and run ``num_steps`` decode steps, all in one ``jit``.
+
+    ``module``'s cache must be initialised (``init_cache``); each step feeds
+    ``next_input(y)`` (``(..., 1, d_out) -> (..., 1, d_in)``, identity by default, so
+    ``d_in == d_out``) of the previous output ``y``. The loop is a ``lax.scan``: no Python work
+    per token, one compilation per (module structure, prompt shape, ``num_steps``,
+    ``next_input``). The cache state is written back to ``module``.
+
+    Returns ``(..., num_steps + 1, d_out)``: the prompt's last output, then one per step.
+    """
+    check_positive_int("num_steps", num_steps)
+    layers = [node for _, node in nnx.iter_graph(module) if isinstance(node, DecodeCacheMixin)]
+    if not layers or not all(hasattr(layer, "cache_index") for layer in layers):
+        raise ValueError("module must have a decode cache (call init_cache(batch_size) first)")
+    for layer in layers:
+        index, max_length = int(layer.cache_index[...]), layer.cached_key.shape[-3]
+        needed = prompt.shape[-2] + num_steps
+        if index + needed > max_length:
+            raise ValueError(
+                f"cache_index + prompt tokens + num_steps ({index} + {prompt.shape[-2]} + "
+                f"{num_steps}) must not exceed the cache's max_length ({max_length})"
+            )
+    graphdef, state = nnx.split(module)
+    state, ys = _generate(graphdef, state, prompt, num_steps, next_input)
+    nnx.update(module, state)
+    return jnp.moveaxis(ys, 0, -2)  # (..., num_steps + 1, d_out)
