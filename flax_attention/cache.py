@@ -7,6 +7,10 @@ A layer with a cache keeps, as ``nnx.Cache`` variables (state, not parameters):
   the wrapper keeps one cache per head), zeros beyond ``cache_index``;
 - ``cache_index``: int32 scalar, how many tokens the cache holds (the position of the next one).
 
+The cached keys and values carry partition metadata like the keys and values themselves
+(``sharding.HEADS``; ``sharding.ONE_HEAD`` for a single head): ``flax_attention.shard`` places
+them, and ``init_cache`` on a layer already sharded places them on its mesh.
+
 ``layer(x, decode=True)`` appends ``x``'s ``n >= 1`` tokens (a prompt chunk or one step) at
 ``cache_index`` and attends from them to every cached token at or before their own position, so
 prefill + decode steps give exactly the full causal pass. Outside ``jit`` a call that would
@@ -24,6 +28,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from flax_attention._checks import check_positive_int
+from flax_attention.sharding import HEADS, ONE_HEAD, expand_axes, place_like_parameters
 
 __all__ = ["DecodeCacheMixin", "generate"]
 
@@ -58,9 +63,14 @@ class DecodeCacheMixin:
         heads, head_dim = self._cache_heads()
         dtype = dtype or self._compute_dtype()
         shape = (*batch_shape, max_length, heads, head_dim)  # (..., max_length, h, d)
-        self.cached_key = nnx.Cache(jnp.zeros(shape, dtype))
-        self.cached_value = nnx.Cache(jnp.zeros(shape, dtype))
+        # Sharded like the keys and values: batch over "data", heads (one head: its features)
+        # over "model"; on a sharded layer, placed at once on its parameters' mesh.
+        axes = expand_axes(HEADS if heads > 1 else ONE_HEAD, len(shape))
+        cache = functools.partial(nnx.Cache, out_sharding=axes, eager_sharding=False)
+        self.cached_key = cache(jnp.zeros(shape, dtype))
+        self.cached_value = cache(jnp.zeros(shape, dtype))
         self.cache_index = nnx.Cache(jnp.array(0, jnp.int32))
+        place_like_parameters(self, "cached_key", "cached_value", "cache_index")
 
     def _compute_dtype(self):
         dtype = getattr(self.W_query, "dtype", None)

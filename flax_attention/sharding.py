@@ -40,12 +40,15 @@ __all__ = [
     "DATA",
     "MODEL",
     "HEADS",
+    "ONE_HEAD",
     "LinearAxes",
     "TO_HEADS",
     "FROM_HEADS",
     "check_shardable",
     "constrain",
+    "expand_axes",
     "mesh_axis_size",
+    "place_like_parameters",
     "partition_spec",
     "shard",
 ]
@@ -65,8 +68,12 @@ class LinearAxes(NamedTuple):
 TO_HEADS = LinearAxes(kernel=(None, MODEL), bias=(MODEL,))
 #: Projections out of heads (``out_proj``): input features over ``model``, bias replicated.
 FROM_HEADS = LinearAxes(kernel=(MODEL, None), bias=(None,))
-#: Activations ``(b, t, h, d)`` (any number of batch axes, ``data`` on the first one).
+#: Activations and decode caches ``(b, t, h, d)`` (any number of batch axes, ``data`` on the
+#: first one): each head on its device.
 HEADS = (DATA, ..., None, MODEL, None)
+#: The same for single-head layers, ``(b, t, 1, d_out)``: features over ``model``, as their
+#: projections' output features.
+ONE_HEAD = (DATA, ..., None, None, MODEL)
 
 
 def mesh_axis_size(mesh, name: str) -> int:
@@ -74,7 +81,7 @@ def mesh_axis_size(mesh, name: str) -> int:
     return int(dict(mesh.shape).get(name, 1))
 
 
-def _expand(axes, ndim: int) -> tuple:
+def expand_axes(axes, ndim: int) -> tuple:
     """``axes`` for ``ndim`` dimensions: ``...`` becomes as many ``None`` as needed; a tensor with
     fewer dimensions than ``axes`` names (an unbatched input) drops the leftmost names."""
     axes = tuple(axes)
@@ -107,7 +114,7 @@ def constrain(x: jax.Array, axes) -> jax.Array:
         return x
     types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
     spec = []
-    for size, entry in zip(x.shape, _expand(axes, x.ndim), strict=True):
+    for size, entry in zip(x.shape, expand_axes(axes, x.ndim), strict=True):
         names = tuple(n for n in _names(entry) if types.get(n) == AxisType.Auto)
         if names and size % int(np.prod([mesh_axis_size(mesh, n) for n in names])) != 0:
             names = ()
@@ -180,22 +187,52 @@ def _check_divisible(module, mesh) -> None:
                 f"{name} ({value}){where} must be divisible by the mesh's model axis ({model})"
             )
     for path, node in nnx.iter_graph(module):
-        if not isinstance(node, nnx.Variable) or _axes_of(node) is None:
-            continue
-        shape = np.shape(node.get_value())
-        spec = partition_spec(node, mesh)
-        if len(spec) != len(shape):
-            raise ValueError(
-                f"{_path_name(path)} partition axes ({_axes_of(node)}) must name one mesh axis "
-                f"or None per dimension (shape {shape})"
-            )
-        for dim, (size, entry) in enumerate(zip(shape, spec, strict=True)):
-            for axis in _names(entry):
-                if size % mesh_axis_size(mesh, axis) != 0:
-                    raise ValueError(
-                        f"{_path_name(path)}.shape[{dim}] ({size}) must be divisible by the "
-                        f"mesh's {axis} axis ({mesh_axis_size(mesh, axis)})"
-                    )
+        if isinstance(node, nnx.Variable):
+            _check_variable(node, mesh, _path_name(path))
+
+
+def _check_variable(variable: nnx.Variable, mesh, name: str) -> None:
+    """Each dimension named by ``variable``'s metadata divides over its mesh axes."""
+    if _axes_of(variable) is None:
+        return
+    shape = np.shape(variable.get_value())
+    spec = partition_spec(variable, mesh)
+    if len(spec) != len(shape):
+        raise ValueError(
+            f"{name} partition axes ({_axes_of(variable)}) must name one mesh axis or None per "
+            f"dimension (shape {shape})"
+        )
+    for dim, (size, entry) in enumerate(zip(shape, spec, strict=True)):
+        for axis in _names(entry):
+            if size % mesh_axis_size(mesh, axis) != 0:
+                raise ValueError(
+                    f"{name}.shape[{dim}] ({size}) must be divisible by the mesh's {axis} axis "
+                    f"({mesh_axis_size(mesh, axis)})"
+                )
+
+
+def place_like_parameters(module: nnx.Module, *names: str) -> None:
+    """Put ``module``'s variables ``names`` (new state, e.g. the decode cache ``init_cache``
+    makes) on the mesh ``module``'s parameters are on, as their metadata says; nothing if the
+    parameters are not on a mesh (not sharded, or traced). A size that does not divide over its
+    mesh axis raises ``ValueError`` as in ``shard``."""
+    mesh = None
+    for _, node in nnx.iter_graph(module):
+        if isinstance(node, nnx.Param):
+            sharding = getattr(node.get_value(), "sharding", None)
+            if isinstance(sharding, NamedSharding) and not isinstance(
+                node.get_value(), jax.core.Tracer
+            ):
+                mesh = sharding.mesh
+                break
+    if mesh is None:
+        return
+    for name in names:
+        _check_variable(getattr(module, name), mesh, name)
+    for name in names:
+        variable = getattr(module, name)
+        sharding = NamedSharding(mesh, partition_spec(variable, mesh))
+        variable.set_value(jax.device_put(variable.get_value(), sharding))
 
 
 def check_shardable(module: nnx.Module, mesh: jax.sharding.Mesh) -> None:
