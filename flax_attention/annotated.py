@@ -25,7 +25,7 @@ from flax_attention._checks import (
 from flax_attention._init import linear_factory, set_linear_axes
 from flax_attention.causal import check_implementation
 from flax_attention.core import dot_product_attention
-from flax_attention.sharding import FROM_HEADS, TO_HEADS
+from flax_attention.sharding import FROM_HEADS, HEADS, TO_HEADS, constrain
 
 __all__ = ["MultiHeadedAttention", "attention", "clones"]  # as torch_reference.annotated
 
@@ -101,7 +101,8 @@ class MultiHeadedAttention(nnx.Module):
         self.dropout = nnx.Dropout(dropout, rngs=rngs)
 
     def _split_heads(self, proj_weight, x):
-        return proj_weight(x).reshape(*x.shape[:-1], self.num_heads, self.k_dim)
+        x = proj_weight(x).reshape(*x.shape[:-1], self.num_heads, self.k_dim)  # (b, t, h, d)
+        return constrain(x, HEADS)  # on a mesh: each head stays on its device
 
     def project_kv(self, key, value) -> ProjectedKV:
         """``key``, ``value`` ``(b, k_len, d_model)`` through ``W^K``, ``W^V``: two

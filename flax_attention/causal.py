@@ -21,7 +21,7 @@ from flax_attention.core import (
     dot_product_attention,
     masked_softmax,
 )
-from flax_attention.sharding import TO_HEADS
+from flax_attention.sharding import ONE_HEAD, TO_HEADS, constrain
 
 __all__ = [
     "causal_attn_weights_renormalized",
@@ -147,9 +147,9 @@ class CausalAttention(CausalMaskMixin, nnx.Module):
 
     def __call__(self, x: jax.Array, *, decode: bool = False) -> jax.Array:
         self._check_causal_input(x)
-        keys = self.W_key(x)[..., None, :]  # (..., t, 1, d_out)
-        queries = self.W_query(x)[..., None, :]  # (..., t, 1, d_out)
-        values = self.W_value(x)[..., None, :]  # (..., t, 1, d_out)
+        keys = constrain(self.W_key(x)[..., None, :], ONE_HEAD)  # (..., t, 1, d_out)
+        queries = constrain(self.W_query(x)[..., None, :], ONE_HEAD)  # (..., t, 1, d_out)
+        values = constrain(self.W_value(x)[..., None, :], ONE_HEAD)  # (..., t, 1, d_out)
         context_vec = self._causal_attention(queries, keys, values, decode)  # (..., t, 1, d_out)
         return context_vec[..., 0, :]  # (..., t, d_out)
 

@@ -13,7 +13,7 @@ from flax import nnx
 from flax_attention._checks import check_divisible, check_positive_int
 from flax_attention._init import linear_factory
 from flax_attention.causal import CausalMaskMixin, check_causal_args
-from flax_attention.sharding import FROM_HEADS, TO_HEADS
+from flax_attention.sharding import FROM_HEADS, HEADS, TO_HEADS, constrain
 
 __all__ = ["MultiHeadAttention"]
 
@@ -60,7 +60,8 @@ class MultiHeadAttention(CausalMaskMixin, nnx.Module):
         self.dropout = nnx.Dropout(dropout, rngs=rngs)
 
     def _split_heads(self, x):
-        return x.reshape(*x.shape[:-1], self.num_heads, self.head_dim)  # (..., t, h, d)
+        x = x.reshape(*x.shape[:-1], self.num_heads, self.head_dim)  # (..., t, h, d)
+        return constrain(x, HEADS)  # on a mesh: each head stays on its device
 
     def _cache_heads(self):
         return self.num_heads, self.head_dim

@@ -15,7 +15,7 @@ from flax_attention._checks import check_positive_int
 from flax_attention._init import linear_factory, partitioned, torch_rand
 from flax_attention._inputs import check_input
 from flax_attention.core import dot_product_attention, masked_softmax
-from flax_attention.sharding import TO_HEADS
+from flax_attention.sharding import ONE_HEAD, TO_HEADS, constrain
 
 __all__ = [
     "softmax_naive",
@@ -80,9 +80,10 @@ class SelfAttention_v1(nnx.Module):
         x, W_query, W_key, W_value = nnx.nn.dtypes.promote_dtype(
             (x, self.W_query[...], self.W_key[...], self.W_value[...]), dtype=self.dtype
         )
-        keys = _project(x, W_key, self.precision)[..., None, :]  # (..., t, 1, d_out)
-        queries = _project(x, W_query, self.precision)[..., None, :]  # (..., t, 1, d_out)
-        values = _project(x, W_value, self.precision)[..., None, :]  # (..., t, 1, d_out)
+        keys = constrain(_project(x, W_key, self.precision)[..., None, :], ONE_HEAD)
+        queries = constrain(_project(x, W_query, self.precision)[..., None, :], ONE_HEAD)
+        values = constrain(_project(x, W_value, self.precision)[..., None, :], ONE_HEAD)
+        # keys, queries, values: (..., t, 1, d_out)
         context_vec, _ = dot_product_attention(queries, keys, values, precision=self.precision)
         return context_vec[..., 0, :]  # (..., t, d_out)
 
@@ -119,9 +120,9 @@ class SelfAttention_v2(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         check_input("x", x, self.d_in)
-        keys = self.W_key(x)[..., None, :]  # (..., t, 1, d_out)
-        queries = self.W_query(x)[..., None, :]  # (..., t, 1, d_out)
-        values = self.W_value(x)[..., None, :]  # (..., t, 1, d_out)
+        keys = constrain(self.W_key(x)[..., None, :], ONE_HEAD)  # (..., t, 1, d_out)
+        queries = constrain(self.W_query(x)[..., None, :], ONE_HEAD)  # (..., t, 1, d_out)
+        values = constrain(self.W_value(x)[..., None, :], ONE_HEAD)  # (..., t, 1, d_out)
         context_vec, _ = dot_product_attention(queries, keys, values, precision=self.precision)
         return context_vec[..., 0, :]  # (..., t, d_out)
 
