@@ -176,6 +176,78 @@ def check_layers(records):
                 record(records, "no_all_gather", name, shape, float(gathers), gathers == 0)
 
 
+def check_decode(records):
+    """Token-by-token decode on every mesh equals single-device decode (outputs and the caches
+    themselves), and the caches sit on the mesh as their metadata says: keys and values
+    ``(b, max_length, h, d)`` over ``("data", None, "model", None)`` (one head: its ``d_out``
+    features over ``model``), the index replicated. Half the meshes shard the layer before
+    ``init_cache`` (the cache follows the parameters), half after (``shard`` places it)."""
+    decoders = ("MultiHeadAttention", "CausalAttention", "MultiHeadAttentionWrapper")
+    for name in decoders:
+        make, _, d_in = LAYERS[name]
+        reference_module = make()
+        reference_module.eval()
+        rng = np.random.default_rng(sum(map(ord, name)) + 1)
+        tokens = rng.standard_normal((T, B, 1, d_in)).astype(np.float32)  # T steps of 1 token
+
+        def decode(module, tokens, mesh=None):
+            step = nnx.jit(lambda m, x: m(x, decode=True))
+            outs = []
+            for x in tokens:
+                x = x if mesh is None else shard_inputs([x], mesh)[0]
+                outs.append(step(module, x))
+            return np.concatenate([np.asarray(o) for o in outs], axis=-2)  # (b, T, d_out)
+
+        reference = nnx.clone(reference_module)
+        reference.init_cache(B)
+        expected = {"out": decode(reference, tokens)}
+        expected.update(_caches(reference))
+        # decode really decodes: the full causal pass over the same tokens gives the same
+        full = np.asarray(reference_module(np.concatenate(list(tokens), axis=-2)))
+        full_diff = float(np.abs(full - expected["out"]).max())
+        for shape in MESHES:
+            mesh = make_mesh(shape)
+            module = nnx.clone(reference_module)
+            if shape in ((8, 1), (2, 4)):
+                fa.shard(module, mesh)
+                module.init_cache(B)  # placed on the parameters' mesh at once
+            else:
+                module.init_cache(B)
+                fa.shard(module, mesh)
+            wrong = _cache_placement(module, mesh)
+            with jax.set_mesh(mesh):
+                actual = {"out": decode(module, tokens, mesh)}
+            actual.update(_caches(module))
+            diff, passed, where = compare(expected, actual)
+            detail = f"worst: {where}; misplaced: {wrong}; decode vs full pass {full_diff:.1e}"
+            ok = passed and not wrong and full_diff <= TOL
+            record(records, "decode", name, shape, diff, ok, detail)
+
+
+def _caches(module) -> dict:
+    """Every cache variable of ``module`` by path (values as float64 NumPy)."""
+    out = {}
+    for path, variable in nnx.to_flat_state(nnx.state(module, nnx.Cache)):
+        out[".".join(map(str, path))] = np.asarray(variable[...], np.float64)
+    return out
+
+
+def _cache_placement(module, mesh) -> list[str]:
+    """Cache variables not where the layout says (keys/values by heads, the index replicated)."""
+    wrong = []
+    for path, variable in nnx.to_flat_state(nnx.state(module, nnx.Cache)):
+        value = variable[...]
+        if path[-1] == "cache_index":
+            want = P()
+        elif value.shape[-2] == 1:  # one head: features over model
+            want = P("data", None, None, "model")
+        else:
+            want = P("data", None, "model", None)
+        if not value.sharding.is_equivalent_to(NamedSharding(mesh, want), value.ndim):
+            wrong.append(f"{'.'.join(map(str, path))}: {value.sharding.spec}, want {want}")
+    return wrong
+
+
 def check_missing_axes(records):
     """A mesh without ``model`` (or ``data``) counts it as size 1: replicated parameters."""
     name = "MultiHeadAttention"
@@ -428,6 +500,7 @@ def check_readme_example(records):
 
 PARTS = {
     "layers": (check_layers,),
+    "decode": (check_decode,),
     "placement": (
         check_missing_axes,
         check_load_keeps_sharding,

@@ -69,6 +69,15 @@ def test_sharded_layers_equal_single_device(tmp_path):
     assert_all_passed(records, {"forward+grad": 18, "param_specs": 18, "no_all_gather": 6})
 
 
+def test_sharded_decode_equals_single_device(tmp_path):
+    """Token-by-token decode of the causal layers on every mesh: outputs and caches within 1e-5
+    of single-device (which equals the full causal pass), caches placed by heads."""
+    records = run_part("decode", tmp_path)
+    layers = ("MultiHeadAttention", "CausalAttention", "MultiHeadAttentionWrapper")
+    assert {(r["layer"], r["mesh"]) for r in records} == {(a, m) for a in layers for m in MESHES}
+    assert_all_passed(records, {"decode": 12})
+
+
 def test_placement_checkpoints_and_errors(tmp_path):
     """A mesh without ``model``/``data`` replicates; ``load_state_dict`` keeps shardings; orbax
     restores a checkpoint saved on one mesh onto another bit for bit; non-dividing heads,
@@ -90,24 +99,22 @@ def test_placement_checkpoints_and_errors(tmp_path):
 
 
 def test_cli_runs_the_spec_on_a_mesh(tmp_path):
-    """``--mesh 2x2``: rows say so and pass; a case whose heads do not divide is skipped, named."""
+    """``--mesh 2x2``: rows say so and pass; a case whose heads do not divide is skipped, named.
+    (Forward only: the sharded gradients are checked above, without the CLI's start-up.)"""
     path = tmp_path / "report.json"
     done = run_with_devices(
         ["-m", "conformance_tests", "--quiet", "--mesh", "2x2", "--cases", "*mha_[2o][hd]*"]
-        + ["--dtype", "float32", "--checks", "forward,grad", "--json", str(path)],
+        + ["--dtype", "float32", "--checks", "forward", "--json", str(path)],
         n_devices=4,
     )
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     rows = json.loads(path.read_text())
-    assert [(r["case"], r["check"]) for r in rows] == [
-        ("doc_mha_2heads", "forward"),
-        ("doc_mha_2heads", "grad"),
-    ]
+    assert [(r["case"], r["check"]) for r in rows] == [("doc_mha_2heads", "forward")]
     assert {r["backend"] for r in rows} == {"cpu[mesh 2x2]"}
     assert all(r["passed"] for r in rows), rows
     skip = "mha_odd_heads                  cpu[mesh 2x2] SKIP: num_heads (3) must be divisible by "
     assert skip + "the mesh's model axis (2)" in done.stdout
-    assert "2 passed, 0 failed, 1 case(s) skipped" in done.stdout
+    assert "1 passed, 0 failed, 1 case(s) skipped" in done.stdout
 
 
 def test_cli_mesh_errors_say_what_to_do(capsys):
