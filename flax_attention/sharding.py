@@ -11,6 +11,10 @@ Two mesh axes, by name:
   values ``(b, t, h, d)`` are constrained to ``("data", None, "model", None)``: each head stays on
   its device, and q/k/v are never all-gathered across heads.
 
+Decode caches ``(b, max_length, h, d)`` carry the same metadata as the keys and values
+(``HEADS``; ``ONE_HEAD`` for single-head layers); ``shard`` places them, and ``init_cache`` on a
+layer already sharded places them at once (``place_like_parameters``).
+
 Every parameter carries its axes as NNX partition metadata (``out_sharding``, see
 ``nnx.with_partitioning``; ``nnx.get_partition_spec(nnx.state(layer))`` reads it).
 Single-head layers (``SelfAttention_v1/v2``, ``CausalAttention``, and each head of

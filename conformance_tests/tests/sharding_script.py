@@ -419,6 +419,20 @@ def check_errors(records):
         record(records, "error", type(module).__name__, None, 0.0, ok, detail)
 
 
+def check_cache_error(records):
+    """A cache whose batch does not divide over ``data`` is refused by ``init_cache`` on a
+    sharded layer, named."""
+    module = fa.shard(LAYERS["MultiHeadAttention"][0](), make_mesh((2, 4)))
+    message = "cached_key.shape[0] (1) must be divisible by the mesh's data axis (2)"
+    try:
+        module.init_cache(1)
+    except ValueError as error:
+        ok, detail = str(error) == message, str(error)
+    else:
+        ok, detail = False, f"no error (want ValueError: {message})"
+    record(records, "error", "MultiHeadAttention", (2, 4), 0.0, ok, detail)
+
+
 def check_created_under_jit(records):
     """``shard`` inside ``nnx.jit``: the layer comes out of the compiled function already placed
     (never whole on one device), with the same weights as an eager one."""
@@ -490,9 +504,11 @@ def check_readme_example(records):
     namespace: dict = {}
     try:
         exec(compile(block, "README.md scaling out", "exec"), namespace)
-        y = namespace["y"]
+        y, y_step, mha = namespace["y"], namespace["y_step"], namespace["mha"]
+        cache_spec = mha.cached_key[...].sharding.spec
         ok = y.shape == (8, 128, 64) and y.sharding.spec[0] == "data"
-        detail = f"y {y.shape} {y.sharding.spec}"
+        ok = ok and y_step.shape == (8, 1, 64) and cache_spec == P("data", None, "model", None)
+        detail = f"y {y.shape} {y.sharding.spec}, step {y_step.shape}, cache {cache_spec}"
     except Exception as error:  # noqa: BLE001 - the record names what went wrong
         ok, detail = False, f"{type(error).__name__}: {error}"
     record(records, "readme_example", "MultiHeadAttention", (2, 4), 0.0, ok, detail)
@@ -506,6 +522,7 @@ PARTS = {
         check_load_keeps_sharding,
         check_orbax,
         check_errors,
+        check_cache_error,
         check_created_under_jit,
         check_constrain,
         check_readme_example,

@@ -90,7 +90,7 @@ def test_placement_checkpoints_and_errors(tmp_path):
             "missing_axis": 2,
             "load_keeps_sharding": 1,
             "orbax_round_trip": 2,
-            "error": 7,
+            "error": 8,
             "created_under_jit": 1,
             "constrain": 1,
             "readme_example": 1,
