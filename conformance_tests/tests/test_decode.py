@@ -1,0 +1,207 @@
+"""The decode cache: prefill + decode steps equal the full causal pass, for every cached layer and
+implementation, under jit, without retracing; overflow and a missing cache fail loudly; the
+generation loop; ``MultiHeadedAttention``'s projected memory.
+
+Flax's own ``MultiHeadAttention`` attends only to position 0 when decoding with a causal mask
+(flax issue 5591) and Linen's cache takes one token per call (flax issue 1317): here a chunk of
+``n >= 1`` tokens at any position gives the full pass's rows.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import flax_attention as fa
+import flax_attention.core as core
+
+#: The cached layers at small sizes: (class, positional args), d_in = 8, context_length 16.
+LAYERS = {
+    "causal": (fa.CausalAttention, (8, 8, 16, 0.0, True)),
+    "wrapper": (fa.MultiHeadAttentionWrapper, (8, 4, 16, 0.0, 2, True)),
+    "mha": (fa.MultiHeadAttention, (8, 8, 16, 0.0, 2, True)),
+}
+DECODE_ATOL = 1e-5
+
+
+@pytest.fixture(autouse=True)
+def small_tiles(monkeypatch):
+    monkeypatch.setattr(core, "BLOCK_SIZE", 4)  # the cache's 16 slots cross 4 key tiles
+
+
+def _layer(name, implementation=None):
+    cls, args = LAYERS[name]
+    layer = cls(*args, implementation=implementation, rngs=nnx.Rngs(0))
+    layer.eval()
+    return layer
+
+
+def _x(batch, num_tokens, seed=0):
+    rng = np.random.default_rng(seed)
+    return jnp.asarray(rng.standard_normal((batch, num_tokens, 8)), jnp.float32)
+
+
+def _max_diff(a, b):
+    return float(jnp.abs(a - b).max())
+
+
+@pytest.mark.parametrize("implementation", [None, "reference", "xla", "blocked"])
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_prefill_and_steps_equal_the_full_pass_under_jit(name, implementation):
+    layer = _layer(name, implementation)
+    x = _x(2, 13)
+    with jax.default_matmul_precision("highest"):
+        full = layer(x)  # (2, 13, d)
+        layer.init_cache(2)
+        traces = []
+
+        @nnx.jit
+        def step(layer, x):
+            traces.append(x.shape)  # runs only while tracing
+            return layer(x, decode=True)
+
+        chunks = [step(layer, x[:, :5])]  # a 5-token prompt
+        chunks += [step(layer, x[:, i : i + 1]) for i in range(5, 13)]  # then one token a step
+    decoded = jnp.concatenate(chunks, axis=1)
+    diff = _max_diff(decoded, full)
+    assert diff <= DECODE_ATOL, f"{name}/{implementation}: decode vs full pass {diff:.2e}"
+    assert traces == [(2, 5, 8), (2, 1, 8)], f"{name}: retraced {traces}"
+    caches = [layer] if name != "wrapper" else list(layer.heads)
+    assert all(int(c.cache_index[...]) == 13 for c in caches)
+
+
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_chunks_of_any_size_equal_the_full_pass(name):
+    layer = _layer(name)
+    x = _x(3, 16, seed=1)
+    with jax.default_matmul_precision("highest"):
+        full = layer(x)
+        layer.init_cache(3)
+        chunks = [layer(x[:, a:b], decode=True) for a, b in ((0, 1), (1, 7), (7, 9), (9, 16))]
+    diff = _max_diff(jnp.concatenate(chunks, axis=1), full)
+    assert diff <= DECODE_ATOL, f"{name}: chunked decode vs full pass {diff:.2e}"
+
+
+def test_cache_holds_the_projected_keys_and_values_in_order():
+    layer = _layer("mha", "reference")
+    x = _x(1, 6, seed=2)
+    layer.init_cache(1, max_length=10)
+    layer(x[:, :4], decode=True)
+    layer(x[:, 4:6], decode=True)
+    keys = layer.W_key(x).reshape(1, 6, 2, 4)  # (b, t, h, d)
+    np.testing.assert_allclose(
+        np.asarray(layer.cached_key[...][:, :6]), np.asarray(keys), atol=1e-6
+    )
+    assert float(jnp.abs(layer.cached_key[...][:, 6:]).max()) == 0.0  # untouched slots
+    assert layer.cached_key.shape == (1, 10, 2, 4) and int(layer.cache_index[...]) == 6
+
+
+def test_decode_without_a_cache_and_past_its_end_raise_outside_jit():
+    layer = _layer("mha")
+    with pytest.raises(ValueError, match=r"decode \(True\) needs a decode cache"):
+        layer(_x(1, 2), decode=True)
+    layer.init_cache(1, max_length=4)
+    layer(_x(1, 3), decode=True)
+    before = np.asarray(layer.cached_key[...])
+    with pytest.raises(ValueError, match=r"cache_index \+ num_tokens \(3 \+ 2\) must not exceed"):
+        layer(_x(1, 2), decode=True)
+    np.testing.assert_array_equal(np.asarray(layer.cached_key[...]), before)  # untouched
+    with pytest.raises(ValueError, match=r"batch shape \(\(2,\)\) must equal the cache's"):
+        layer(_x(2, 1), decode=True)
+
+
+def test_overflow_inside_jit_returns_nan_and_leaves_the_cache_alone():
+    """Under jit the index is not known: no silent overwrite, the output is NaN instead."""
+    layer = _layer("mha")
+    layer.init_cache(1, max_length=4)
+    step = nnx.jit(lambda layer, x: layer(x, decode=True))
+    ok = step(layer, _x(1, 3))
+    assert bool(jnp.isfinite(ok).all())
+    before = np.asarray(layer.cached_value[...])
+    bad = step(layer, _x(1, 3, seed=5))
+    assert bool(jnp.isnan(bad).all()), "an overflowing step must not return numbers"
+    np.testing.assert_array_equal(np.asarray(layer.cached_value[...]), before)
+    assert int(layer.cache_index[...]) == 3
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"batch_size": 0}, ValueError, r"batch_size \(0\) must be positive"),
+        ({"batch_size": 2.0}, TypeError, r"batch_size \(2.0\) must be an int"),
+        ({"batch_size": 1, "max_length": 17}, ValueError, r"max_length \(17\) must not exceed"),
+        ({"batch_size": 1, "max_length": 0}, ValueError, r"max_length \(0\) must be positive"),
+    ],
+)
+def test_init_cache_checks_its_arguments(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        _layer("mha").init_cache(**kwargs)
+
+
+def test_a_cache_over_two_batch_axes_and_in_bfloat16():
+    layer = _layer("causal")
+    x = _x(6, 5, seed=3).reshape(2, 3, 5, 8)
+    full = layer(x)
+    layer.init_cache((2, 3), dtype=jnp.bfloat16)
+    assert layer.cached_key.dtype == jnp.bfloat16
+    decoded = jnp.concatenate(
+        [layer(x[..., :2, :], decode=True), layer(x[..., 2:, :], decode=True)], -2
+    )
+    # keys and values rounded to bfloat16 in the cache: 8 significant bits
+    assert _max_diff(decoded, full) <= 3e-2
+
+
+@pytest.mark.parametrize("name", ["mha", "wrapper"])
+def test_generate_equals_the_full_pass_over_its_own_outputs(name):
+    """``generate`` feeds each output back; the full pass over [prompt, y_0, y_1, ...] must give
+    the same rows, and the loop compiles once for a given structure and length."""
+    cls, args = LAYERS[name]
+    layer = _layer(name)
+    prompt = _x(2, 4, seed=4)
+    with jax.default_matmul_precision("highest"):
+        layer.init_cache(2)
+        ys = fa.generate(layer, prompt, 6)  # (2, 7, 8): prompt's last output + 6 steps
+        sequence = jnp.concatenate([prompt, ys[:, :-1]], axis=1)  # what the layer was fed
+        full = _layer(name)(sequence)
+    assert ys.shape == (2, 7, 8)
+    diff = _max_diff(ys, full[:, 3:])
+    assert diff <= DECODE_ATOL, f"{name}: generate vs full pass {diff:.2e}"
+    caches = [layer] if name != "wrapper" else list(layer.heads)
+    assert all(int(c.cache_index[...]) == 10 for c in caches)
+    with pytest.raises(ValueError, match=r"\(10 \+ 4 \+ 6\) must not exceed the cache's"):
+        fa.generate(layer, prompt, 6)
+    with pytest.raises(ValueError, match="must have a decode cache"):
+        fa.generate(_layer(name), prompt, 2)
+
+
+def test_generate_does_not_recompile_for_a_new_cache_of_the_same_shape():
+    layer = _layer("mha")
+    prompt = _x(1, 3)
+    layer.init_cache(1)
+    fa.generate(layer, prompt, 4)
+    before = fa.cache._generate._cache_size()
+    layer.init_cache(1)
+    fa.generate(layer, _x(1, 3, seed=9), 4)
+    assert fa.cache._generate._cache_size() == before
+
+
+def test_multiheaded_attention_projects_the_memory_once():
+    """A decoder's cross-attention: ``project_kv`` once, then every step reuses it."""
+    layer = fa.MultiHeadedAttention(2, 8, 0.0, rngs=nnx.Rngs(0))
+    layer.eval()
+    query, memory = _x(2, 5, seed=6), _x(2, 9, seed=7)
+    mask = jnp.ones((2, 1, 9)).at[1, 0, 6:].set(0)  # batch 1 pads its last 3 keys
+    full = layer(query, memory, memory, mask)
+    weights = layer.attention_score[...]
+    kv = layer.project_kv(memory, memory)
+    assert kv.keys.shape == (2, 9, 2, 4)
+    steps = [layer(query[:, i : i + 1], mask=mask, kv=kv) for i in range(5)]
+    assert _max_diff(jnp.concatenate(steps, axis=1), full) <= 1e-6
+    assert _max_diff(layer.attention_score[...], weights[:, :, 4:5]) <= 1e-6
+    with pytest.raises(ValueError, match="key and value must be None when kv"):
+        layer(query, memory, memory, mask, kv=kv)
+    with pytest.raises(ValueError, match=r"kv.keys.shape"):
+        layer(query[:1], mask=mask[:1], kv=kv)
