@@ -56,17 +56,23 @@ def assert_all_passed(records, expected_counts: dict[str, int]):
 
 def test_sharded_layers_equal_single_device(tmp_path):
     """Forward and gradients (every parameter, every input) within 1e-5 (times max(1, scale))
-    of single-device; every parameter placed as its metadata says; the multi-head layers'
-    compiled forward and backward have no all-gather (q/k/v stay split by heads)."""
+    of single-device (also with the blocked and XLA attention kernels); every parameter placed as
+    its metadata says; the multi-head layers' compiled forward and backward have no all-gather
+    (q/k/v stay split by heads)."""
     records = run_part("layers", tmp_path)
     covered = {(r["layer"], r["mesh"]) for r in records if r["check"] == "forward+grad"}
     four = ("MultiHeadAttention", "MultiHeadedAttention", "CausalAttention")
     four += ("MultiHeadAttentionWrapper",)
     assert {(layer, mesh) for layer in four for mesh in MESHES} <= covered
-    assert {("SelfAttention_v1", "2x4"), ("SelfAttention_v2", "2x4")} <= covered
+    others = ("SelfAttention_v1", "SelfAttention_v2")
+    others += ("MultiHeadAttention[blocked]", "MultiHeadAttention[xla]")
+    assert {(layer, "2x4") for layer in others} <= covered
     gathers = {(r["layer"], r["mesh"]) for r in records if r["check"] == "no_all_gather"}
-    assert gathers == {(layer, mesh) for layer in MULTI_HEAD for mesh in ("1x8", "2x4", "4x2")}
-    assert_all_passed(records, {"forward+grad": 18, "param_specs": 18, "no_all_gather": 6})
+    assert gathers == {(layer, mesh) for layer in MULTI_HEAD for mesh in ("1x8", "2x4", "4x2")} | {
+        ("MultiHeadAttention[blocked]", "2x4"),
+        ("MultiHeadAttention[xla]", "2x4"),
+    }
+    assert_all_passed(records, {"forward+grad": 20, "param_specs": 20, "no_all_gather": 8})
 
 
 def test_sharded_decode_equals_single_device(tmp_path):
