@@ -24,8 +24,13 @@ from benchmarks.timing import Timing
 __all__ = ["plan_calls", "run"]
 
 
+def _implementations(config):
+    wanted = config.compile_implementations
+    return [i for i in flax_implementations() if wanted is None or (i or "default") in wanted]
+
+
 def plan_calls(config) -> int:
-    return len(flax_implementations()) * config.compile_repeats
+    return len(_implementations(config)) * config.compile_repeats
 
 
 def run(config, progress=None) -> list[dict]:
@@ -34,7 +39,7 @@ def run(config, progress=None) -> list[dict]:
     _, _, module = make_modules(context_length=max(1024, tokens))
     x = jnp.asarray(random_input(batch, tokens))
     rows = []
-    for implementation in flax_implementations():
+    for implementation in _implementations(config):
         module.implementation = implementation
         graphdef, state = nnx.split(module)
         lower_s, compile_s = [], []

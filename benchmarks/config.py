@@ -38,6 +38,9 @@ class Config:
     memory_tokens: tuple[int, ...] = (4096, 8192, 32768)
     memory_reference_max_tokens: int = 8192  # Flax reference (materialises (h, t, t) scores)
     memory_eager_max_tokens: int = 4096  # torch eager (same; 9.8 GB and 27 s at t = 8192)
+    #: Measurement subprocesses at a time. RSS is per process, so concurrency changes only the
+    #: call times, which this section reports for information; the full run keeps 1.
+    memory_jobs: int = 1
     # decode
     decode_batches: tuple[int, ...] = (1, 8)
     decode_prompt: int = 16
@@ -49,6 +52,8 @@ class Config:
     # compile
     compile_shape: tuple[int, int] = (1, 1024)
     compile_repeats: int = 3
+    #: Implementations compiled (labels as in the rows); ``None``: every one on the backend.
+    compile_implementations: tuple[str, ...] | None = None
 
     def repeats_for(self, shape) -> int:
         return self.speed_repeats.get(tuple(shape), self.default_repeats)
@@ -60,9 +65,10 @@ QUICK = Config(
     speed_shapes=((1, 64),),
     speed_repeats={},
     default_repeats=1,
-    memory_tokens=(2048,),
+    memory_tokens=(1024,),
     memory_reference_max_tokens=0,
     memory_eager_max_tokens=0,
+    memory_jobs=2,
     decode_batches=(2,),
     decode_prompt=4,
     decode_steps=8,
@@ -72,4 +78,5 @@ QUICK = Config(
     decode_recompute_samples=2,
     compile_shape=(1, 64),
     compile_repeats=1,
+    compile_implementations=("default",),
 )

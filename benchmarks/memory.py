@@ -14,13 +14,15 @@ with the parent's peak as its ``ru_maxrss`` and a smaller call shows zero growth
 for a 440 MB forward). ``ru_maxrss`` growth is kept in the worker's output and used only where
 ``/proc`` is unavailable (the row then says it is a lower bound).
 
-A materialising implementation (Flax ``reference``, torch eager) is started only where the
-``(h, t, t)`` scores fit comfortably in ``MemAvailable`` (four score-sized buffers plus 2 GiB);
-otherwise its row is skipped with the numbers.
+A materialising implementation (Flax ``reference``, torch eager) is started only where its
+measured need fits in ``MemAvailable``: ``2.5`` score-sized ``(h, t, t)`` float32 buffers plus
+1 GiB (measured growth: 2.2 and 3.1 buffers for Flax ``reference`` and torch eager at t = 8192,
+7.0 and 9.8 GB); otherwise its row is skipped with the numbers.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import pathlib
@@ -191,8 +193,10 @@ def plan_calls(config) -> int:
 def run(config, progress=None, torch_threads=None) -> list[dict]:
     from benchmarks.rows import make_row
 
-    rows, results = [], {}
-    for framework, implementation, tokens in _plan(config):
+    plan = _plan(config)
+
+    def one(item):
+        framework, implementation, tokens = item
         spec = dict(
             framework=framework,
             implementation=implementation,
@@ -200,19 +204,26 @@ def run(config, progress=None, torch_threads=None) -> list[dict]:
             tokens=tokens,
             torch_threads=torch_threads,
         )
-        need = 4 * _estimate_scores_bytes(tokens) + 2**31
+        factor = 2.5 if implementation == "reference" else 3.5
+        need = factor * _estimate_scores_bytes(tokens) + 2**30
         available = _mem_available_bytes()
         materialises = implementation in ("reference", "eager")
         if materialises and available is not None and need > available:
             result = {
-                "error": f"skipped: scores need ~{need / 2**30:.1f} GiB (4 x h t t x 4 B + 2 "
+                "error": f"skipped: needs ~{need / 2**30:.1f} GiB ({factor} x h t t x 4 B + 1 "
                 f"GiB), MemAvailable {available / 2**30:.1f} GiB"
             }
         else:
             result = measure(spec)
-        results[(implementation, tokens)] = result
         if progress is not None:
             progress.update(1)
+        return result
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=config.memory_jobs) as pool:
+        measured = list(pool.map(one, plan))
+    rows, results = [], {}
+    for (framework, implementation, tokens), result in zip(plan, measured):
+        results[(implementation, tokens)] = result
         common = dict(batch=1, tokens=tokens, unit="MB")
         case = f"b1_t{tokens}"
         if "error" in result:
