@@ -323,7 +323,46 @@ BAD_INPUTS: list[BadInput] = [
         ValueError,
         r"^value\.shape\[1\] \(6\) must equal key\.shape\[1\] \(5\)$",
     ),
+    # ---- Flax only: the attention core's implementations and the decode cache ----
+    BadInput(
+        "unknown_implementation",
+        None,
+        lambda: fa.MultiHeadAttention(*_MHA, implementation="flash", rngs=nnx.Rngs(0)),
+        ValueError,
+        r"^implementation \('flash'\) must be one of \(None, 'reference', 'xla', 'cudnn', "
+        r"'blocked'\)$",
+    ),
+    BadInput(
+        "decode_without_init_cache",
+        None,
+        lambda: _decoder(None)(np.zeros((1, 1, 3), np.float32), decode=True),
+        ValueError,
+        r"^decode \(True\) needs a decode cache \(call init_cache\(batch_size\) first\)$",
+    ),
+    BadInput(
+        "decode_past_the_cache",
+        None,
+        lambda: _decoder(4)(np.zeros((1, 5, 3), np.float32), decode=True),
+        ValueError,
+        r"^cache_index \+ num_tokens \(0 \+ 5\) must not exceed the cache's max_length \(4\) "
+        r"\(init_cache\(\.\.\., max_length\) or a new cache\)$",
+    ),
+    BadInput(
+        "cache_longer_than_context",
+        None,
+        lambda: _decoder(7),
+        ValueError,
+        r"^max_length \(7\) must not exceed context_length \(6\)$",
+    ),
 ]
+
+
+def _decoder(max_length):
+    """A Flax ``MultiHeadAttention`` (``_MHA``) with a cache of ``max_length`` (``None``: none)."""
+    layer = fa.MultiHeadAttention(*_MHA, rngs=nnx.Rngs(0))
+    if max_length is not None:
+        layer.init_cache(1, max_length)
+    return layer
 
 
 def _raised(row: BadInput, package: str, run) -> Exception:
