@@ -24,9 +24,9 @@ import os
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding
 
 __all__ = ["IncompatibleKeys", "load_state_dict", "state_dict", "save_file", "load_file"]
 
@@ -89,12 +89,63 @@ def _describe(value) -> str:
     return f"shape {tuple(value.shape)} dtype {value.dtype}"
 
 
+def _is_floating(dtype) -> bool:
+    """float16, bfloat16 (an ``ml_dtypes`` type NumPy calls kind ``'V'``), float32, float64."""
+    return jnp.issubdtype(dtype, jnp.floating)
+
+
+def _check_value(name, entry: _Entry, value: np.ndarray, expected_shape) -> str | None:
+    """What is wrong with ``value`` for ``entry`` (one line naming the key), or ``None``."""
+    if entry.variable is None:  # the mask buffer: compared by value, so bool and ints will do
+        if not (_is_floating(value.dtype) or value.dtype.kind in "biu"):
+            return f"{name}: dtype {value.dtype} must be a real number or bool dtype"
+    elif not _is_floating(value.dtype):
+        return (
+            f"{name}: dtype {value.dtype} must be a floating dtype "
+            f"(float16, bfloat16, float32 or float64)"
+        )
+    if value.shape != expected_shape:
+        return f"{name}: shape {value.shape} must be {expected_shape}"
+    if not np.all(np.isfinite(value.astype(np.float32) if value.dtype.kind in "biu" else value)):
+        return f"{name}: holds NaN or inf ({_describe(value)})"
+    if entry.variable is None and not np.array_equal(value, entry.expected):
+        return (
+            f"{name}: differs from triu(ones({expected_shape[0]}, {expected_shape[1]}), "
+            f"diagonal=1), the causal mask of context_length"
+        )
+    return None
+
+
+def _cast(name, value: np.ndarray, variable: nnx.Variable) -> tuple[np.ndarray, str | None]:
+    """``value`` in the variable's dtype, or a problem if it overflows there (float64 -> float32,
+    float32 -> float16: a finite value must stay finite)."""
+    with np.errstate(over="ignore"):
+        cast = value.astype(variable.dtype)
+    if np.all(np.isfinite(cast)):
+        return cast, None
+    largest = float(np.max(np.abs(value.astype(np.float64))))
+    limit = float(jnp.finfo(cast.dtype).max)
+    return cast, f"{name}: overflows {cast.dtype} (largest magnitude {largest:.3g} > {limit:.6g})"
+
+
+def _assign(variable: nnx.Variable, value: np.ndarray) -> None:
+    """Replace the variable's value whole, on its current sharding. (``variable[...] = value``
+    compiles an XLA scatter per shape and fails on an abstract module made by ``nnx.eval_shape``,
+    the usual skeleton to load a checkpoint into.)"""
+    current = variable.get_value()
+    if isinstance(current, jax.Array):
+        variable.set_value(jax.device_put(value, current.sharding))
+    else:  # abstract (jax.ShapeDtypeStruct)
+        variable.set_value(jax.device_put(value))
+
+
 def load_state_dict(module: nnx.Module, state_dict, strict: bool = True) -> IncompatibleKeys:
     """Load torch names and layouts (numpy, jax or CPU torch arrays) into ``module``.
 
     Every value is checked before anything is written: with ``strict=True`` any missing,
-    unexpected, mis-shaped, non-numeric or non-finite key (and a ``mask`` buffer that differs from
-    the one ``context_length`` implies) raises one ``ValueError`` naming every offending key, and
+    unexpected, mis-shaped, non-floating (integer, bool, ...) or non-finite key, a value that
+    overflows the parameter's dtype, and a ``mask`` buffer that differs from the one
+    ``context_length`` implies, raises one ``ValueError`` naming every offending key, and
     ``module`` is left exactly as it was. With ``strict=False`` the good keys are loaded and the
     rest are returned in an ``IncompatibleKeys``.
     """
@@ -118,25 +169,14 @@ def load_state_dict(module: nnx.Module, state_dict, strict: bool = True) -> Inco
             problems.append(f"{name}: cannot be read as an array ({error})")
             continue
         expected_shape = _torch_shape(entry)
-        if value.dtype.kind not in "fiu":
+        problem = _check_value(name, entry, value, expected_shape)
+        if problem is None and entry.variable is not None:
+            value, problem = _cast(name, value.T if entry.transpose else value, entry.variable)
+            if problem is None:
+                updates.append((entry.variable, value))
+        if problem is not None:
             mismatched.append(name)
-            problems.append(f"{name}: dtype {value.dtype} must be a real number dtype")
-        elif value.shape != expected_shape:
-            mismatched.append(name)
-            problems.append(f"{name}: shape {value.shape} must be {expected_shape}")
-        elif not np.all(np.isfinite(value)):
-            mismatched.append(name)
-            problems.append(f"{name}: holds NaN or inf ({_describe(value)})")
-        elif entry.variable is None:
-            if not np.array_equal(value, entry.expected):
-                mismatched.append(name)
-                problems.append(
-                    f"{name}: differs from triu(ones({expected_shape[0]}, "
-                    f"{expected_shape[1]}), diagonal=1), the causal mask of context_length"
-                )
-        else:
-            value = value.T if entry.transpose else value
-            updates.append((entry.variable, value.astype(entry.variable.dtype)))
+            problems.append(problem)
     if strict and (missing or unexpected or mismatched):
         lines = [f"missing key {name}" for name in missing]
         lines += [f"unexpected key {name}" for name in unexpected]
@@ -146,10 +186,7 @@ def load_state_dict(module: nnx.Module, state_dict, strict: bool = True) -> Inco
             f"{len(lines)} problem(s); nothing was loaded:\n  " + "\n  ".join(lines)
         )
     for variable, value in updates:
-        sharding = getattr(variable.get_value(), "sharding", None)
-        if isinstance(sharding, NamedSharding):  # a sharded module stays where shard() put it
-            value = jax.device_put(value, sharding)
-        variable[...] = value
+        _assign(variable, value)
     return IncompatibleKeys(missing, unexpected, mismatched)
 
 
@@ -160,17 +197,38 @@ def save_file(module: nnx.Module, path: str | os.PathLike) -> None:
     _save(state_dict(module), os.fspath(path))
 
 
+class _Unreadable:
+    """A tensor the file holds but NumPy cannot represent (float8, say): ``np.asarray`` raises,
+    so ``load_state_dict`` names the key (strict) or lists it as mismatched (``strict=False``)."""
+
+    def __init__(self, reason: str):
+        self.reason = reason
+
+    def __array__(self, dtype=None, copy=None):
+        raise TypeError(self.reason)
+
+
 def load_file(module: nnx.Module, path: str | os.PathLike, strict: bool = True):
     """Read a safetensors file of torch names and layouts into ``module`` (see
-    ``load_state_dict``). A file that cannot be read raises ``ValueError`` naming it, and the
-    module is untouched."""
-    from safetensors import SafetensorError
-    from safetensors.numpy import load_file as _load
+    ``load_state_dict``). Only safetensors is read (nothing is unpickled). A file that cannot be
+    read (missing, truncated, a header that is not JSON or claims more data than the file holds)
+    and a strict load that finds bad keys raise ``ValueError`` naming the file (and the keys);
+    ``module`` is then untouched."""
+    from safetensors import SafetensorError, safe_open
 
+    name = os.fspath(path)
     try:
-        tensors = _load(os.fspath(path))
+        tensors = {}
+        with safe_open(name, framework="numpy") as file:
+            for key in file.keys():  # noqa: SIM118 - a safe_open handle is not a mapping
+                try:
+                    tensors[key] = file.get_tensor(key)
+                except (AttributeError, TypeError, ValueError) as error:  # a dtype NumPy lacks
+                    dtype = file.get_slice(key).get_dtype()
+                    tensors[key] = _Unreadable(f"safetensors dtype {dtype}: {error}")
     except (SafetensorError, OSError, ValueError) as error:
-        raise ValueError(
-            f"path ({os.fspath(path)!r}) must be a readable safetensors file: {error}"
-        ) from error
-    return load_state_dict(module, tensors, strict=strict)
+        raise ValueError(f"path ({name!r}) must be a readable safetensors file: {error}") from error
+    try:
+        return load_state_dict(module, tensors, strict=strict)
+    except ValueError as error:
+        raise ValueError(f"load_file({name!r}): {error}") from error

@@ -1,0 +1,44 @@
+"""Speed, memory, decode and compile-time benchmarks of ``flax_attention.MultiHeadAttention``
+against the documents' eager torch module and torch's fused SDPA, with identical weights.
+
+``python -m benchmarks`` prints one table per section and the machine it ran on; ``--json PATH``
+writes the rows (``ROW_FIELDS``), ``--quick`` runs a small smoke configuration. Sections:
+
+- ``speed``: forward and forward+backward at GPT-2 small sizes, every Flax implementation (jitted
+  over ``nnx.split``/``nnx.merge``) against torch eager and torch SDPA; median ms and the ratios
+  ``time / torch-eager`` and ``time / torch-SDPA`` from the same run.
+- ``memory``: peak RSS growth of one forward (compile included) in a fresh subprocess each.
+- ``decode``: tokens/s of ``flax_attention.generate`` against a torch KV-cache loop and against
+  recomputing the full causal pass per token; per-token time early vs late in the cache.
+- ``compile``: ``jax.jit(f).lower(...).compile()`` wall time of the GPT-2 small forward.
+
+Every timed Flax module holds the torch module's ``state_dict`` (``flax_attention.load_state_dict``)
+and its outputs are compared with torch before timing; rows record the max difference.
+"""
+
+#: The keys of every JSON row (``None`` where a field does not apply to the row's section).
+ROW_FIELDS = (
+    "section",  # speed | memory | decode | compile
+    "case",  # e.g. "b8_t1024"
+    "mode",  # forward | forward+backward | generate | recompute | steps@16 | compile ...
+    "framework",  # flax | torch
+    "implementation",  # reference | xla | blocked | default | cudnn | eager | sdpa | kv_cache
+    "resolved",  # what implementation=None ran (default rows), else the implementation
+    "batch",
+    "tokens",
+    "repeats",  # timed calls behind the median (0 for a skipped row)
+    "median_ms",
+    "min_ms",
+    "value",  # the section's quantity: MB (memory), tokens/s (decode), s (compile)
+    "unit",
+    "ratio_vs_eager",  # time / torch-eager time, same run (speed), or speedup (decode)
+    "ratio_vs_sdpa",  # time / torch-SDPA time, same run (speed, memory)
+    "ratio",  # another ratio, described by ratio_of (decode speedup, flatness, targets)
+    "ratio_of",
+    "target",  # the issue's target this row checks (section "targets"), else None
+    "met",  # whether it is met (section "targets"), else None
+    "max_abs_diff",  # max |flax - torch| over outputs (and gradients), None if not compared
+    "max_rel_diff",  # max over tensors of max|diff| / max(1, max|torch|)
+    "skipped",  # True when the row was not measured; note says why
+    "note",
+)

@@ -1,0 +1,82 @@
+"""What a run measures: the full configuration (the issue's shapes) and ``--quick``."""
+
+from __future__ import annotations
+
+import dataclasses
+
+__all__ = ["Config", "FULL", "QUICK", "SECTIONS", "parse_shape"]
+
+SECTIONS = ("speed", "memory", "decode", "compile")
+
+
+def parse_shape(text: str) -> tuple[int, int]:
+    """``"b8t1024"`` (or ``"8x1024"``) -> ``(8, 1024)``."""
+    cleaned = text.lower().replace("b", "").replace("x", "t")
+    try:
+        batch, tokens = (int(part) for part in cleaned.split("t"))
+    except ValueError:
+        raise ValueError(f"shape ({text!r}) must look like b8t1024") from None
+    if batch < 1 or tokens < 1:
+        raise ValueError(f"shape ({text!r}) must have a positive batch and token count")
+    return batch, tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    # speed: (batch, tokens) and timed calls per shape (after one warm-up/compile call)
+    speed_shapes: tuple[tuple[int, int], ...] = ((8, 256), (8, 1024), (1, 4096))
+    speed_modes: tuple[str, ...] = ("forward", "forward+backward")
+    speed_repeats: dict = dataclasses.field(
+        default_factory=lambda: {(8, 256): 5, (8, 1024): 3, (1, 4096): 3}
+    )
+    default_repeats: int = 5
+    #: ``{(implementation, mode, batch, tokens): reason}`` not run, the reason in its row. Empty:
+    #: ``reference`` forward+backward at b1 t4096 was measured (8.2 s per call, 5.9 GB peak RSS
+    #: for the whole speed run) and fits this machine, so it is timed with the others.
+    speed_skip: dict = dataclasses.field(default_factory=dict)
+    # memory: forward at batch 1, one fresh subprocess per measurement
+    memory_tokens: tuple[int, ...] = (4096, 8192, 32768)
+    memory_reference_max_tokens: int = 8192  # Flax reference (materialises (h, t, t) scores)
+    memory_eager_max_tokens: int = 4096  # torch eager (same; 9.8 GB and 27 s at t = 8192)
+    #: Measurement subprocesses at a time. RSS is per process, so concurrency changes only the
+    #: call times, which this section reports for information; the full run keeps 1.
+    memory_jobs: int = 1
+    # decode
+    decode_batches: tuple[int, ...] = (1, 8)
+    decode_prompt: int = 16
+    decode_steps: int = 256
+    decode_repeats: int = 5
+    decode_flat_steps: int = 64
+    decode_flat_positions: tuple[int, int] = (16, 200)
+    decode_recompute_samples: int = 5
+    # compile
+    compile_shape: tuple[int, int] = (1, 1024)
+    compile_repeats: int = 3
+    #: Implementations compiled (labels as in the rows); ``None``: every one on the backend.
+    compile_implementations: tuple[str, ...] | None = None
+
+    def repeats_for(self, shape) -> int:
+        return self.speed_repeats.get(tuple(shape), self.default_repeats)
+
+
+FULL = Config()
+
+QUICK = Config(
+    speed_shapes=((1, 64),),
+    speed_repeats={},
+    default_repeats=1,
+    memory_tokens=(1024,),
+    memory_reference_max_tokens=0,
+    memory_eager_max_tokens=0,
+    memory_jobs=2,
+    decode_batches=(2,),
+    decode_prompt=4,
+    decode_steps=8,
+    decode_repeats=1,
+    decode_flat_steps=4,
+    decode_flat_positions=(4, 8),
+    decode_recompute_samples=2,
+    compile_shape=(1, 64),
+    compile_repeats=1,
+    compile_implementations=("default",),
+)

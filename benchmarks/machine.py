@@ -1,0 +1,84 @@
+"""The machine header: CPU, cores, memory, library versions, backend, load, date."""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import os
+import platform
+
+import jax
+
+__all__ = ["describe", "load_average"]
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    wanted = ("avx", "avx2", "fma", "avx512f", "avx512_bf16", "amx_tile")
+                    return " ".join(flag for flag in wanted if flag in flags)
+    except OSError:
+        pass
+    return ""
+
+
+def _mem_total_gib() -> float | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return None
+
+
+def load_average() -> str:
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "unknown"
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def describe(torch_threads: int) -> dict:
+    """Everything the table's header prints (also the JSON's ``machine``)."""
+    memory = _mem_total_gib()
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "cpu": _cpu_model(),
+        "cpu_flags": _cpu_flags(),
+        "cores": os.cpu_count(),
+        "memory_gib": None if memory is None else round(memory, 1),
+        "python": platform.python_version(),
+        "jax": _version("jax"),
+        "jaxlib": _version("jaxlib"),
+        "flax": _version("flax"),
+        "torch": _version("torch"),
+        "numpy": _version("numpy"),
+        "backend": jax.default_backend(),
+        "devices": ", ".join(str(d) for d in jax.devices()),
+        "jax_default_matmul_precision": str(jax.config.jax_default_matmul_precision),
+        "torch_threads": torch_threads,
+        "load_average_start": load_average(),
+    }

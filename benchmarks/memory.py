@@ -1,0 +1,265 @@
+"""Section ``memory``: peak RSS growth of one forward at batch 1, one fresh subprocess each.
+
+Each measurement runs ``python -m benchmarks.memory WORKER_JSON`` in a new process that imports
+one framework, builds the module (random weights: memory does not depend on their values) and the
+input, hands freed heap back (``malloc_trim``), resets the kernel's peak-RSS mark
+(``/proc/self/clear_refs``), makes the call (for Flax: ``jax.jit`` trace + compile + run, as a
+first call does) and reports the peak RSS growth over the RSS just before the call. The output
+array is part of the growth (``4 * t * 768`` bytes).
+
+The peak is read from ``VmHWM`` in ``/proc/self/status``, the memory map's high-water mark that
+``getrusage(RUSAGE_SELF).ru_maxrss`` also reports, but without ``ru_maxrss``'s other term: the
+kernel keeps ``signal->maxrss`` across ``fork``/``exec``, so a subprocess of a large parent starts
+with the parent's peak as its ``ru_maxrss`` and a smaller call shows zero growth (measured: 0 MB
+for a 440 MB forward). ``ru_maxrss`` growth is kept in the worker's output and used only where
+``/proc`` is unavailable (the row then says it is a lower bound).
+
+A materialising implementation (Flax ``reference``, torch eager) is started only where its
+measured need fits in ``MemAvailable``: ``2.5`` score-sized ``(h, t, t)`` float32 buffers plus
+1 GiB (measured growth: 2.2 and 3.1 buffers for Flax ``reference`` and torch eager at t = 8192,
+7.0 and 9.8 GB); otherwise its row is skipped with the numbers.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import pathlib
+import resource
+import subprocess
+import sys
+import time
+
+__all__ = ["measure", "plan_calls", "run"]
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+HEADS = 12
+#: Timeout of one measurement subprocess (s).
+TIMEOUT_S = 900
+
+
+def _maxrss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: kilobytes
+
+
+def _status_bytes(field: str) -> int | None:
+    """``VmHWM`` (peak RSS of this process's memory map) or ``VmRSS`` from /proc/self/status."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _reset_peak() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _mem_available_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _worker(spec: dict) -> dict:
+    """Runs in the subprocess: build, reset the peak, one forward, report the growth."""
+    batch, tokens, d_model = spec["batch"], spec["tokens"], spec.get("d_model", 768)
+    if spec["framework"] == "flax":
+        import jax
+        import numpy as np
+        from flax import nnx
+
+        import flax_attention as fa
+
+        implementation = spec["implementation"]
+        module = fa.MultiHeadAttention(
+            d_model,
+            d_model,
+            tokens,
+            0.0,
+            HEADS,
+            True,
+            implementation=None if implementation == "default" else implementation,
+            rngs=nnx.Rngs(0),
+        )
+        module.eval()
+        graphdef, state = nnx.split(module)
+        x = jax.numpy.asarray(
+            np.random.default_rng(0).standard_normal((batch, tokens, d_model), dtype=np.float32)
+        )
+        forward = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x))
+
+        def call():
+            return jax.block_until_ready(forward(state, x))
+
+    else:
+        import torch
+
+        from benchmarks.torch_modules import SDPAMultiHeadAttention
+        from torch_reference import MultiHeadAttention
+
+        torch.set_num_threads(spec.get("torch_threads") or os.cpu_count() or 1)
+        cls = SDPAMultiHeadAttention if spec["implementation"] == "sdpa" else MultiHeadAttention
+        torch.manual_seed(0)
+        module = cls(d_model, d_model, tokens, 0.0, HEADS, True).eval()
+        x = torch.randn(batch, tokens, d_model)
+
+        def call():
+            with torch.no_grad():
+                return module(x)
+
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:  # hand freed heap back to the OS, so the baseline RSS holds only live memory
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+    reset = _reset_peak()
+    before, rss_before = _maxrss_bytes(), _status_bytes("VmRSS")
+    start = time.perf_counter()
+    out = call()
+    seconds = time.perf_counter() - start
+    after, hwm_after = _maxrss_bytes(), _status_bytes("VmHWM")
+    del out
+    exact = reset and rss_before is not None and hwm_after is not None
+    return {
+        "growth_bytes": hwm_after - rss_before if exact else after - before,
+        "maxrss_growth_bytes": after - before,
+        "baseline_bytes": rss_before if exact else before,
+        "seconds": seconds,
+        "peak_reset": exact,
+    }
+
+
+def _estimate_scores_bytes(tokens: int, batch: int = 1) -> int:
+    return 4 * batch * HEADS * tokens * tokens
+
+
+def measure(spec: dict, timeout_s: int = TIMEOUT_S) -> dict:
+    """Run one measurement in a fresh subprocess; returns the worker's dict or ``{"error"}``."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "benchmarks.memory", json.dumps(spec)],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout_s} s"}
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+        return {"error": f"exit {done.returncode}: {tail[0][:200]}"}
+    return json.loads(lines[-1])
+
+
+def _plan(config):
+    """``(framework, implementation, tokens)`` in run order."""
+    plan = []
+    for tokens in config.memory_tokens:
+        plan.append(("flax", "default", tokens))
+        if tokens <= config.memory_reference_max_tokens:
+            plan.append(("flax", "reference", tokens))
+        if tokens <= config.memory_eager_max_tokens:
+            plan.append(("torch", "eager", tokens))
+        plan.append(("torch", "sdpa", tokens))
+    return plan
+
+
+def plan_calls(config) -> int:
+    return len(_plan(config))
+
+
+def run(config, progress=None, torch_threads=None) -> list[dict]:
+    from benchmarks.rows import make_row
+
+    plan = _plan(config)
+
+    def one(item):
+        framework, implementation, tokens = item
+        spec = dict(
+            framework=framework,
+            implementation=implementation,
+            batch=1,
+            tokens=tokens,
+            torch_threads=torch_threads,
+        )
+        factor = 2.5 if implementation == "reference" else 3.5
+        need = factor * _estimate_scores_bytes(tokens) + 2**30
+        available = _mem_available_bytes()
+        materialises = implementation in ("reference", "eager")
+        if materialises and available is not None and need > available:
+            result = {
+                "error": f"skipped: needs ~{need / 2**30:.1f} GiB ({factor} x h t t x 4 B + 1 "
+                f"GiB), MemAvailable {available / 2**30:.1f} GiB"
+            }
+        else:
+            result = measure(spec)
+        if progress is not None:
+            progress.update(1)
+        return result
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=config.memory_jobs) as pool:
+        measured = list(pool.map(one, plan))
+    rows, results = [], {}
+    for (framework, implementation, tokens), result in zip(plan, measured):
+        results[(implementation, tokens)] = result
+        common = dict(batch=1, tokens=tokens, unit="MB")
+        case = f"b1_t{tokens}"
+        if "error" in result:
+            rows.append(
+                make_row(
+                    "memory",
+                    case,
+                    "forward",
+                    framework,
+                    implementation,
+                    skipped=True,
+                    note=result["error"],
+                    **common,
+                )
+            )
+            continue
+        growth_mb = result["growth_bytes"] / 1e6
+        rows.append(
+            make_row(
+                "memory",
+                case,
+                "forward",
+                framework,
+                implementation,
+                timing={"median_ms": result["seconds"] * 1e3, "min_ms": None, "repeats": 1},
+                value=growth_mb,
+                note="" if result["peak_reset"] else "ru_maxrss growth: a lower bound",
+                **common,
+            )
+        )
+    for row in rows:  # growth / torch SDPA's growth at the same t
+        sdpa = results.get(("sdpa", row["tokens"]), {})
+        if row["value"] is not None and sdpa.get("growth_bytes"):
+            row["ratio_vs_sdpa"] = row["value"] * 1e6 / sdpa["growth_bytes"]
+    return rows
+
+
+if __name__ == "__main__":
+    print(json.dumps(_worker(json.loads(sys.argv[1]))))

@@ -1,0 +1,204 @@
+"""Section ``speed``: forward and forward+backward at GPT-2 small sizes.
+
+Every Flax implementation is ``jax.jit`` over the state of ``nnx.split`` (the module rebuilt with
+``nnx.merge`` inside the traced function); forward+backward is ``jax.grad`` of the sum of the
+outputs w.r.t. the parameters and the input. torch runs eager with
+``torch.set_num_threads(os.cpu_count())``, under ``torch.no_grad()`` for the forward, and
+``torch.autograd.grad`` of the same sum for forward+backward. Before timing, every output (and
+every gradient) is compared with the documents' torch module; the callables of one shape and mode
+are then timed round-robin (``timing.interleaved``) after one warm-up call each (the compile).
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import torch
+from flax import nnx
+
+import flax_attention as fa
+from benchmarks.models import make_modules, random_input
+from benchmarks.rows import make_row, max_diffs
+from benchmarks.timing import interleaved
+
+__all__ = ["flax_implementations", "plan_calls", "run"]
+
+#: Parity bound before timing: max |flax - torch| / max(1, max |torch|) per tensor.
+TOLERANCE = 1e-4
+
+
+def flax_implementations() -> list[str | None]:
+    """Every implementation that runs on the default backend (``None`` = the default)."""
+    impls: list[str | None] = ["reference", "xla", "blocked"]
+    if jax.default_backend() == "gpu":
+        impls.append("cudnn")
+    return [*impls, None]
+
+
+def _label(implementation):
+    return "default" if implementation is None else implementation
+
+
+def _torch_forward(module, x):
+    def call():
+        with torch.no_grad():
+            return module(x)
+
+    return call
+
+
+def _torch_forward_backward(module, x):
+    x = x.clone().requires_grad_(True)
+    names = [name for name, _ in module.named_parameters()]
+    params = [p for _, p in module.named_parameters()]
+
+    def call():
+        out = module(x)
+        grads = torch.autograd.grad(out.sum(), [x, *params])
+        return {"x": grads[0], **dict(zip(names, grads[1:]))}
+
+    return call
+
+
+def _flax_forward(module, implementation, x):
+    module.implementation = implementation
+    graphdef, state = nnx.split(module)
+    forward = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x))
+    return lambda: forward(state, x)
+
+
+def _flax_forward_backward(module, implementation, x):
+    module.implementation = implementation
+    graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+
+    def loss(params, x):
+        return nnx.merge(graphdef, params, rest)(x).sum()
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1)))
+    return lambda: grad(params, x)
+
+
+def _flax_grads_by_torch_name(module, grads):
+    """``(param_grads, dx)`` -> ``{"x": dx, torch name: grad in torch layout}``."""
+    param_grads, dx = grads
+    holder = nnx.clone(module)
+    nnx.update(holder, param_grads)
+    named = {k: v for k, v in fa.state_dict(holder).items() if k != "mask"}
+    return {"x": np.asarray(dx), **named}
+
+
+def _as_named(result):
+    if isinstance(result, dict):
+        return {k: np.asarray(v.detach() if hasattr(v, "detach") else v) for k, v in result.items()}
+    return {"out": np.asarray(result.detach() if hasattr(result, "detach") else result)}
+
+
+def plan_calls(config) -> int:
+    """Calls the progress bar counts: per shape and mode, each callable once per repeat + 1."""
+    n = len(flax_implementations()) + 2
+    return sum(
+        n * (config.repeats_for(shape) + 1)
+        for shape in config.speed_shapes
+        for _ in config.speed_modes
+    )
+
+
+def run(config, progress=None) -> list[dict]:
+    """Rows of every shape and mode; torch's thread count is the caller's (``cli`` sets it)."""
+    rows = []
+    for batch, tokens in config.speed_shapes:
+        eager, sdpa, module = make_modules(context_length=max(1024, tokens))
+        x_np = random_input(batch, tokens)
+        x_torch, x_jax = torch.from_numpy(x_np), jax.numpy.asarray(x_np)
+        for mode in config.speed_modes:
+            rows += _run_shape_mode(
+                config, eager, sdpa, module, x_torch, x_jax, batch, tokens, mode, progress
+            )
+    return rows
+
+
+def _run_shape_mode(config, eager, sdpa, module, x_torch, x_jax, batch, tokens, mode, progress):
+    case = f"b{batch}_t{tokens}"
+    repeats = config.repeats_for((batch, tokens))
+    forward = mode == "forward"
+    torch_call = _torch_forward if forward else _torch_forward_backward
+    calls = {"eager": torch_call(eager, x_torch), "sdpa": torch_call(sdpa, x_torch)}
+    resolved = {"eager": "eager", "sdpa": "sdpa"}
+    skipped, diffs, rows = {}, {}, []
+
+    reference_out = _as_named(calls["eager"]())  # the documents' module: what all are checked on
+    if progress is not None:
+        progress.update(1)
+    diffs["eager"] = (0.0, 0.0)
+    diffs["sdpa"] = max_diffs(_as_named(calls["sdpa"]()), reference_out)
+    if progress is not None:
+        progress.update(1)
+    for implementation in flax_implementations():
+        name = _label(implementation)
+        reason = config.speed_skip.get((name, mode, batch, tokens))
+        if reason:
+            skipped[name] = reason
+            if progress is not None:
+                progress.update(repeats + 1)
+            continue
+        try:
+            if forward:
+                call = _flax_forward(module, implementation, x_jax)
+                result = _as_named(call())
+            else:
+                call = _flax_forward_backward(module, implementation, x_jax)
+                result = _flax_grads_by_torch_name(module, call())
+        except Exception as error:  # noqa: BLE001 - e.g. cudnn refusing float32: a row says so
+            skipped[name] = f"{type(error).__name__}: {error}"[:200]
+            if progress is not None:
+                progress.update(repeats + 1)
+            continue
+        if progress is not None:
+            progress.update(1)
+        diffs[name] = max_diffs(result, reference_out)
+        if diffs[name][1] > TOLERANCE:
+            skipped[name] = f"outputs differ from torch (max rel {diffs[name][1]:.1e}): not timed"
+            continue
+        calls[name] = call
+        q = x_jax[..., None, :64]
+        resolved[name] = implementation or fa.select_implementation(q, q, need_weights=False)
+
+    timings = interleaved(calls, repeats, progress)
+    eager_ms, sdpa_ms = timings["eager"]["median_ms"], timings["sdpa"]["median_ms"]
+    names = ["eager", "sdpa", *(_label(i) for i in flax_implementations())]
+    for name in names:
+        framework = "torch" if name in ("eager", "sdpa") else "flax"
+        if name in skipped:
+            rows.append(
+                make_row(
+                    "speed",
+                    case,
+                    mode,
+                    framework,
+                    name,
+                    batch=batch,
+                    tokens=tokens,
+                    skipped=True,
+                    note=skipped[name],
+                    diffs=diffs.get(name),
+                )
+            )
+            continue
+        timing = timings[name]
+        rows.append(
+            make_row(
+                "speed",
+                case,
+                mode,
+                framework,
+                name,
+                resolved=resolved[name],
+                batch=batch,
+                tokens=tokens,
+                timing=timing,
+                ratio_vs_eager=timing["median_ms"] / eager_ms,
+                ratio_vs_sdpa=timing["median_ms"] / sdpa_ms,
+                diffs=diffs[name],
+            )
+        )
+    return rows

@@ -1,0 +1,60 @@
+"""Timing helpers: medians of wall-clock calls, interleaved across the compared callables.
+
+The machine is shared and noisy, so the callables compared in one ratio are timed round-robin
+(call 1 of each, then call 2 of each, ...): a burst of load from elsewhere hits all of them, and
+the ratio of medians stays meaningful where absolute times drift.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import jax
+
+__all__ = ["Timing", "block", "interleaved", "time_calls"]
+
+
+class Timing(dict):
+    """``{"median_ms", "min_ms", "repeats", "samples_ms"}``."""
+
+    @classmethod
+    def of(cls, samples_s: list[float]) -> Timing:
+        samples_ms = [s * 1e3 for s in samples_s]
+        return cls(
+            median_ms=statistics.median(samples_ms),
+            min_ms=min(samples_ms),
+            repeats=len(samples_ms),
+            samples_ms=samples_ms,
+        )
+
+
+def block(result):
+    """Wait for every JAX array in ``result`` (torch results are ready on return)."""
+    return jax.block_until_ready(result)
+
+
+def _once(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    block(fn())
+    return time.perf_counter() - start
+
+
+def time_calls(fn: Callable[[], object], repeats: int) -> Timing:
+    """Median of ``repeats`` calls of ``fn`` (already warm)."""
+    return Timing.of([_once(fn) for _ in range(repeats)])
+
+
+def interleaved(fns: dict[str, Callable[[], object]], repeats: int, progress=None):
+    """``{name: Timing}`` from ``repeats`` rounds, each calling every ``fn`` once in turn.
+
+    ``progress`` (a tqdm bar or ``None``) is advanced once per call.
+    """
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            samples[name].append(_once(fn))
+            if progress is not None:
+                progress.update(1)
+    return {name: Timing.of(s) for name, s in samples.items()}
