@@ -101,11 +101,11 @@ class DecodeCacheMixin:
             )
         fits = index + num_new <= max_length
 
-        def write(cache, new):
-            updated = jax.lax.dynamic_update_slice_in_dim(
-                cache, new.astype(cache.dtype), index, axis=cache.ndim - 3
-            )
-            return jax.lax.select(fits, updated, cache)
+        def write(cache, new):  # only the new tokens' slots; the old ones again if no fit
+            axis = cache.ndim - 3
+            old = jax.lax.dynamic_slice_in_dim(cache, index, num_new, axis)
+            new = jnp.where(fits, new.astype(cache.dtype), old)
+            return jax.lax.dynamic_update_slice_in_dim(cache, new, index, axis)
 
         self.cached_key[...] = write(self.cached_key[...], keys)
         self.cached_value[...] = write(self.cached_value[...], values)

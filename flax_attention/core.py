@@ -52,9 +52,15 @@ __all__ = [
 #: The ``implementation`` names every causal layer and ``MultiHeadedAttention`` accept.
 IMPLEMENTATIONS = (None, "reference", "xla", "cudnn", "blocked")
 
-#: Tile edge of the ``blocked`` kernel (queries and keys). 128 was the fastest on a 2-core CPU
-#: (``benchmarks``); tests set it small to cross many tiles on small inputs.
-BLOCK_SIZE = 128
+#: Tile edge of the ``blocked`` kernel (queries and keys); ``None`` picks it per call from
+#: ``TILE_BYTES``. Tests set it small to cross many tiles on small inputs.
+BLOCK_SIZE = None
+
+#: One tile of float32 scores spans every batch row and head (``B * h * edge**2 * 4`` bytes).
+#: ``None`` takes the largest edge in ``TILE_EDGES`` whose tile fits this budget: on a 2-core CPU
+#: 64 at b8 x 12 heads (533 -> 455 ms at t1024 over 128) and 256 at b1 (670 -> 585 ms at t4096).
+TILE_BYTES = 4 * 2**20
+TILE_EDGES = (256, 128, 64)
 
 #: From this many score entries per head (``t * s``) ``None`` runs ``blocked`` on the CPU; below,
 #: ``reference`` is as fast and rounds exactly as torch does (measured in ``benchmarks``).
@@ -281,8 +287,8 @@ def blocked_attention(
 ):
     """Flash-style attention: ``(..., t, h, d_k), (..., s, h, d_k), (..., s, h, d_v)`` ->
     ``(..., t, h, d_v)``, equal to ``reference`` without its ``(t, s)`` scores in memory."""
-    block = block_size or BLOCK_SIZE
     lead, (t, h, _), s = queries.shape[:-3], queries.shape[-3:], keys.shape[-3]
+    block = block_size or BLOCK_SIZE or _tile_edge(math.prod(lead) * h)
     dtype = queries.dtype
     bq, bk = min(block, t), min(block, s)
     tp, sp = -(-t // bq) * bq, -(-s // bk) * bk
@@ -303,6 +309,14 @@ def blocked_attention(
     out = _blocked(config, q, k, v, mask, offset)  # (B, h, tp, d_v)
     out = jnp.swapaxes(out[:, :, :t], 1, 2).astype(dtype)  # (B, t, h, d_v)
     return out.reshape(*lead, *out.shape[1:])
+
+
+def _tile_edge(batch_heads: int) -> int:
+    """The largest of ``TILE_EDGES`` whose float32 score tile fits ``TILE_BYTES``."""
+    for edge in TILE_EDGES:
+        if batch_heads * edge * edge * 4 <= TILE_BYTES:
+            return edge
+    return TILE_EDGES[-1]
 
 
 class _BlockConfig(tuple):
