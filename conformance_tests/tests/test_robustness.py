@@ -354,7 +354,22 @@ BAD_INPUTS: list[BadInput] = [
         ValueError,
         r"^max_length \(7\) must not exceed context_length \(6\)$",
     ),
+    BadInput(
+        "shard_heads_do_not_divide",
+        None,
+        lambda: fa.shard(fa.MultiHeadAttention(3, 6, 6, 0.0, 6, rngs=nnx.Rngs(0)), _mesh(1, 4)),
+        ValueError,
+        r"^num_heads \(6\) must be divisible by the mesh's model axis \(4\)$",
+    ),
 ]
+
+
+def _mesh(data, model):
+    """A ``(data, model)`` mesh of this process's one device, repeated: ``shard`` checks the
+    axis sizes before it places anything, so the check runs without 8 devices."""
+    devices = np.array([jax.devices()[0]] * (data * model)).reshape(data, model)
+    auto = (jax.sharding.AxisType.Auto,) * 2
+    return jax.sharding.Mesh(devices, ("data", "model"), axis_types=auto)
 
 
 def _decoder(max_length):
