@@ -93,6 +93,10 @@ class DecodeCacheMixin:
                 f"x's batch shape ({keys.shape[:-3]}) must equal the cache's batch shape "
                 f"({cache_shape[:-3]}) (init_cache(batch_size))"
             )
+        if num_new > max_length:  # static: too long at any position, inside jit too
+            raise ValueError(
+                f"num_tokens ({num_new}) must not exceed the cache's max_length ({max_length})"
+            )
         index = self.cache_index[...]
         if not isinstance(index, jax.core.Tracer) and int(index) + num_new > max_length:
             raise ValueError(

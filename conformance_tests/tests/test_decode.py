@@ -123,6 +123,10 @@ def test_overflow_inside_jit_returns_nan_and_leaves_the_cache_alone():
     before = np.asarray(layer.cached_value[...])
     bad = step(layer, _x(1, 3, seed=5))
     assert bool(jnp.isnan(bad).all()), "an overflowing step must not return numbers"
+    with pytest.raises(
+        ValueError, match=r"num_tokens \(5\) must not exceed the cache's max_length \(4\)"
+    ):
+        step(layer, _x(1, 5))  # longer than the whole cache: known while tracing
     np.testing.assert_array_equal(np.asarray(layer.cached_value[...]), before)
     assert int(layer.cache_index[...]) == 3
 

@@ -342,10 +342,17 @@ BAD_INPUTS: list[BadInput] = [
     BadInput(
         "decode_past_the_cache",
         None,
+        lambda: _decoder(4, filled=3)(np.zeros((1, 2, 3), np.float32), decode=True),
+        ValueError,
+        r"^cache_index \+ num_tokens \(3 \+ 2\) must not exceed the cache's max_length \(4\) "
+        r"\(init_cache\(\.\.\., max_length\) or a new cache\)$",
+    ),
+    BadInput(
+        "decode_longer_than_the_cache",
+        None,
         lambda: _decoder(4)(np.zeros((1, 5, 3), np.float32), decode=True),
         ValueError,
-        r"^cache_index \+ num_tokens \(0 \+ 5\) must not exceed the cache's max_length \(4\) "
-        r"\(init_cache\(\.\.\., max_length\) or a new cache\)$",
+        r"^num_tokens \(5\) must not exceed the cache's max_length \(4\)$",
     ),
     BadInput(
         "cache_longer_than_context",
@@ -372,11 +379,14 @@ def _mesh(data, model):
     return jax.sharding.Mesh(devices, ("data", "model"), axis_types=auto)
 
 
-def _decoder(max_length):
-    """A Flax ``MultiHeadAttention`` (``_MHA``) with a cache of ``max_length`` (``None``: none)."""
+def _decoder(max_length, filled=0):
+    """A Flax ``MultiHeadAttention`` (``_MHA``) with a cache of ``max_length`` (``None``: none)
+    that already holds ``filled`` tokens."""
     layer = fa.MultiHeadAttention(*_MHA, rngs=nnx.Rngs(0))
     if max_length is not None:
         layer.init_cache(1, max_length)
+    if filled:
+        layer(np.zeros((1, filled, 3), np.float32), decode=True)
     return layer
 
 
