@@ -23,8 +23,7 @@ from flax_attention._checks import (
     check_same,
 )
 from flax_attention._init import linear_factory, set_linear_axes
-from flax_attention.causal import check_implementation
-from flax_attention.core import dot_product_attention
+from flax_attention.core import check_implementation, dot_product_attention
 from flax_attention.sharding import FROM_HEADS, HEADS, TO_HEADS, constrain
 
 __all__ = ["MultiHeadedAttention", "attention", "clones"]  # as torch_reference.annotated

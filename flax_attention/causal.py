@@ -16,8 +16,8 @@ from flax_attention._init import linear_factory
 from flax_attention._inputs import check_input
 from flax_attention.cache import DecodeCacheMixin, poison_unless
 from flax_attention.core import (
-    IMPLEMENTATIONS,
     causal_mask,
+    check_implementation,
     dot_product_attention,
     masked_softmax,
 )
@@ -59,11 +59,6 @@ def check_causal_args(d_in, d_out, context_length, dropout, implementation=None)
     check_positive_int("context_length", context_length)
     check_dropout(dropout)
     check_implementation(implementation)
-
-
-def check_implementation(implementation):
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation ({implementation!r}) must be one of {IMPLEMENTATIONS}")
 
 
 class CausalMaskMixin(DecodeCacheMixin):

@@ -105,6 +105,12 @@ def masked_softmax(attn_scores, d_key, mask=None, fill_value=-jnp.inf):
     return attn_weights.astype(dtype)
 
 
+def check_implementation(implementation) -> None:
+    """``implementation`` must be one of ``IMPLEMENTATIONS`` (layers check it at construction)."""
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation ({implementation!r}) must be one of {IMPLEMENTATIONS}")
+
+
 def _dropout_active(dropout) -> bool:
     if dropout is None:
         return False
@@ -167,8 +173,7 @@ def dot_product_attention(
       ``context_vec`` ``(..., t, h, d_v)`` and ``attn_weights`` ``(..., h, t, s)`` (after
       dropout, as the documents return them) or ``None``.
     """
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation ({implementation!r}) must be one of {IMPLEMENTATIONS}")
+    check_implementation(implementation)
     if implementation is None:
         implementation = select_implementation(
             queries, keys, need_weights=need_weights, dropout=dropout
