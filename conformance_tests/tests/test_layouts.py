@@ -6,6 +6,7 @@ book's combined-QKV module and nanoGPT-style code (renamed ``c_attn``/``c_proj``
 
 from __future__ import annotations
 
+import pathlib
 import re
 
 import numpy as np
@@ -17,6 +18,15 @@ from safetensors.torch import save_file as torch_save_file
 import flax_attention as fa
 
 SMALL = 1e-6
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _close(what: str, got, want, tol: float = SMALL) -> float:
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
+    err = float(np.abs(got - want).max())
+    assert err <= tol, f"{what}: max abs diff {err:.3e} > {tol:.0e}"
+    return err
 
 
 def _mha(qkv_bias=True, seed=0, d_in=6, d_out=6):
@@ -416,14 +426,13 @@ def test_fused_qkv_is_the_books_combined_qkv_module_both_ways(qkv_bias):
     fa.load_state_dict(
         layer, {k: v.numpy() for k, v in peer.state_dict().items()}, layout="fused_qkv"
     )
-    err = float(np.abs(np.asarray(layer(x.numpy())) - want).max())
-    assert err <= SMALL, f"fused_qkv: max abs diff {err:.3e}"
+    _close("fused_qkv: the book's combined-QKV module", layer(x.numpy()), want)
     fresh = CombinedQKV(6, 8, 2, 7, qkv_bias).eval()
     exported = fa.state_dict(layer, layout="fused_qkv")
     fresh.load_state_dict({k: torch.from_numpy(v) for k, v in exported.items()}, strict=True)
     with torch.no_grad():
         back = fresh(x).numpy()
-    assert float(np.abs(back - want).max()) <= SMALL
+    _close("the book's combined-QKV module from our export", back, want)
 
 
 def test_fused_qkv_takes_nanogpt_keys_renamed():
@@ -437,8 +446,7 @@ def test_fused_qkv_takes_nanogpt_keys_renamed():
     fa.load_state_dict(
         layer, _renamed(state, {"c_attn": "qkv", "c_proj": "proj"}), layout="fused_qkv"
     )
-    err = float(np.abs(np.asarray(layer(x.numpy())) - want).max())
-    assert err <= SMALL, f"nanoGPT renamed: max abs diff {err:.3e}"
+    _close("fused_qkv: nanoGPT renamed", layer(x.numpy()), want)
     exported = fa.state_dict(layer, layout="fused_qkv")
     exported.pop("mask")
     exported = _renamed(exported, {"qkv": "c_attn", "proj": "c_proj"})
@@ -448,4 +456,10 @@ def test_fused_qkv_takes_nanogpt_keys_renamed():
     )
     assert (result.missing_keys, result.unexpected_keys) == (["bias"], []), result  # its buffer
     with torch.no_grad():
-        assert float(np.abs(fresh(x).numpy() - want).max()) <= SMALL
+        _close("nanoGPT from our export", fresh(x).numpy(), want)
+
+
+def test_the_docs_example_runs():
+    text = (ROOT / "docs" / "weights.md").read_text()
+    (block,) = [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "GPT2Model" in b]
+    exec(compile(block, "docs/weights.md", "exec"), {})
