@@ -358,6 +358,8 @@ def load_state_dict(
         prefix + name for name, t in targets.items() if name not in values and t.buffer is None
     ]
     unexpected = [full for name, full in given.items() if name not in targets]
+    if not prefix:  # a key that is not a string cannot be any layer's
+        unexpected += [key for key in state_dict.keys() if not isinstance(key, str)]
     mismatched: list[str] = []
     problems: list[str] = []
     updates: list[tuple[nnx.Variable, np.ndarray]] = []
@@ -384,6 +386,7 @@ def load_state_dict(
             for name, full in given.items()
             if name not in targets
         ]
+        lines += [f"unexpected key {key!r}" for key in unexpected if not isinstance(key, str)]
         lines += problems
         raise ValueError(
             f"load_state_dict into {type(module).__name__} (strict=True) found "
