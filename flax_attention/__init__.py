@@ -22,6 +22,7 @@ from flax_attention.core import (
     masked_softmax,
     select_implementation,
 )
+from flax_attention.interop import from_nnx, from_torch
 from flax_attention.multihead import MultiHeadAttention
 from flax_attention.self_attention import (
     SelfAttention,
@@ -67,6 +68,8 @@ __all__ = [
     "state_dict",
     "save_file",
     "load_file",
+    "from_torch",
+    "from_nnx",
     # Flax only: scaling out over a device mesh.
     "shard",
 ]

@@ -14,8 +14,13 @@ torch key                   Flax variable                       layout
 ==========================  ==================================  ==========================
 
 Every torch ``nn.Linear`` weight is the transpose of the Flax kernel; everything else keeps its
-layout. Buffers are not Flax state: ``mask`` is checked on load and produced on export.
-Loading into a module placed by ``flax_attention.shard`` keeps every parameter's sharding.
+layout. Buffers are not Flax state: ``mask`` is checked on load (when present) and produced on
+export. Loading into a module placed by ``flax_attention.shard`` keeps every parameter's sharding.
+
+Other peers' names (``layout="torch_nn"``, ``"gpt2"``, ``"fused_qkv"``) are descriptions in
+``flax_attention.layouts``: each of their keys is a concatenation of the documents' keys (q, k, v
+stacked), stored transposed or not. Every layout goes through the same checks below, so a key's
+problems read the same whatever the layout; ``prefix`` picks one layer's keys out of a model's.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
+from flax_attention.layouts import LAYOUTS, ROLES, Buffer, Key, Layout
 
 __all__ = ["IncompatibleKeys", "load_state_dict", "state_dict", "save_file", "load_file"]
 
@@ -69,19 +76,161 @@ def _torch_shape(entry: _Entry) -> tuple[int, ...]:
     return shape[::-1] if entry.transpose else shape
 
 
-def state_dict(module: nnx.Module) -> dict[str, np.ndarray]:
-    """The torch ``state_dict`` of ``module``: torch names and layouts, buffers included.
+class _Part(NamedTuple):
+    """One documents key inside a layout key: its entry (``None``: a bias the layer does not
+    have, exported as zeros and loaded only as zeros), its torch shape and its name."""
 
-    ``torch_module.load_state_dict({k: torch.from_numpy(v) ...}, strict=True)`` accepts it.
-    """
-    out = {}
-    for name, entry in _torch_entries(module).items():
-        if entry.variable is None:
-            value = entry.expected
+    entry: _Entry | None
+    shape: tuple[int, ...]
+    name: str
+
+
+class _Target(NamedTuple):
+    """One key of a layout: a buffer (``buffer`` set: checked, never loaded) or parameters
+    (``parts``, concatenated along torch's first axis; ``transpose``: stored transposed)."""
+
+    parts: tuple[_Part, ...] = ()
+    transpose: bool = False
+    buffer: Buffer | None = None
+    expected: np.ndarray | None = None  # the buffer's value (None: any value of its shape)
+    shape: tuple[int, ...] = ()  # the buffer's shape
+    hint: str = ""
+
+    @property
+    def layout_shape(self) -> tuple[int, ...]:
+        if self.buffer is not None:
+            return self.shape
+        first = self.parts[0].shape
+        shape = (sum(part.shape[0] for part in self.parts), *first[1:])
+        return shape[::-1] if self.transpose else shape
+
+
+def _layer_class(module: nnx.Module) -> str:
+    """The name of the ``flax_attention`` class ``module`` is (or derives from)."""
+    for cls in type(module).__mro__:
+        if cls.__module__.startswith("flax_attention.") and cls.__name__ in (
+            LAYOUTS["documents"].layers
+        ):
+            return cls.__name__
+    return type(module).__name__
+
+
+def _layout(module: nnx.Module, layout) -> Layout:
+    if not isinstance(layout, str) or layout not in LAYOUTS:
+        raise ValueError(f"layout ({layout!r}) must be one of {tuple(LAYOUTS)}")
+    spec = LAYOUTS[layout]
+    name = _layer_class(module)
+    if name not in spec.layers:
+        takes = tuple(n for n, s in LAYOUTS.items() if name in s.layers)
+        raise ValueError(
+            f"layout ({layout!r}) must be one of the layouts {name} takes {takes} "
+            f"(layout {layout!r} is for {', '.join(spec.layers)})"
+        )
+    return spec
+
+
+def _buffer_target(buffer: Buffer, mask: np.ndarray) -> _Target:
+    n = mask.shape[0]
+    if buffer.kind == "triu":
+        return _Target(buffer=buffer, expected=mask, shape=mask.shape)
+    if buffer.kind == "tril":
+        tril = np.tril(np.ones((n, n), bool)).reshape(1, 1, n, n)
+        return _Target(buffer=buffer, expected=tril, shape=tril.shape)
+    return _Target(buffer=buffer, shape=())  # "scalar": any finite value
+
+
+def _buffer_rule(target: _Target) -> str:
+    n = target.expected.shape[-1]
+    if target.buffer.kind == "tril":
+        return f"tril(ones({n}, {n})).view(1, 1, {n}, {n})"
+    return f"triu(ones({n}, {n}), diagonal=1)"
+
+
+def _targets(module: nnx.Module, spec: Layout, given=()) -> dict[str, _Target]:
+    """Layout key -> ``_Target``, in the layout's order. ``given`` (the keys offered to a load)
+    picks an alternative form (torch's separate ``q_proj_weight``, ...) when it holds one."""
+    entries = _torch_entries(module)
+    masks = {name: e.expected for name, e in entries.items() if e.variable is None}
+    if spec.name == "documents":
+        targets = {}
+        for name, entry in entries.items():
+            if entry.variable is None:
+                targets[name] = _buffer_target(spec.buffers[0], entry.expected)
+            else:
+                targets[name] = _Target(parts=(_Part(entry, _torch_shape(entry), name),))
+        return targets
+
+    roles = ROLES[_layer_class(module)]
+
+    def part(role: str) -> _Part:
+        owner, param = role.split(".")
+        name = f"{roles[owner]}.{param}"
+        if name in entries:
+            return _Part(entries[name], _torch_shape(entries[name]), name)
+        rows = _torch_shape(entries[f"{roles[owner]}.weight"])[0]  # a bias the layer lacks
+        return _Part(None, (rows,), name)
+
+    q_weight = _torch_shape(entries[f"{roles['q']}.weight"])
+    if spec.square and q_weight[0] != q_weight[1]:
+        raise ValueError(
+            f"d_in ({q_weight[1]}) must equal d_out ({q_weight[0]}) for layout {spec.name!r} "
+            f"({spec.peer} projects the query with an (embed_dim, embed_dim) weight)"
+        )
+    keys: list[Key] = []
+    alternatives = dict(spec.alternatives)
+    for key in spec.keys:
+        others = alternatives.get(key.name, ())
+        keys += others if any(other.name in given for other in others) else [key]
+    targets = {}
+    for key in keys:
+        parts = tuple(part(role) for role in key.parts)
+        if key.always or any(p.entry is not None for p in parts):
+            targets[key.name] = _Target(parts=parts, transpose=key.transpose, hint=key.hint)
+    if masks:  # a causal layer: its buffers, from the one mask of context_length
+        (mask,) = masks.values()
+        for buffer in spec.buffers:
+            targets[buffer.name] = _buffer_target(buffer, mask)
+    return targets
+
+
+def _export(target: _Target, dtype) -> np.ndarray:
+    if target.buffer is not None:
+        return target.expected
+    pieces = []
+    for part in target.parts:
+        if part.entry is None:
+            pieces.append(np.zeros(part.shape, dtype))
         else:
-            value = np.asarray(entry.variable[...])
-            value = value.T if entry.transpose else value
-        out[name] = np.array(value, order="C")  # a writable copy, torch.from_numpy-safe
+            value = np.asarray(part.entry.variable[...])
+            pieces.append(value.T if part.entry.transpose else value)
+    value = np.concatenate(pieces, axis=0) if len(pieces) > 1 else pieces[0]
+    return value.T if target.transpose else value
+
+
+def _check_prefix(prefix) -> None:
+    if not isinstance(prefix, str):
+        raise TypeError(f"prefix ({prefix!r}) must be a str (the keys' common start, or '')")
+
+
+def state_dict(
+    module: nnx.Module, *, layout: str = "documents", prefix: str = ""
+) -> dict[str, np.ndarray]:
+    """The torch ``state_dict`` of ``module`` in ``layout``'s names and shapes, each key
+    preceded by ``prefix``. ``"documents"``: buffers included, so
+    ``torch_module.load_state_dict({k: torch.from_numpy(v) ...}, strict=True)`` accepts it; the
+    other layouts load into their peer the same way (see ``flax_attention.layouts``).
+    """
+    spec = _layout(module, layout)
+    _check_prefix(prefix)
+    targets = _targets(module, spec)
+    params = [t.parts[0].entry for t in targets.values() if t.buffer is None and t.parts[0].entry]
+    dtype = params[0].variable.dtype if params else np.float32
+    out = {}
+    for name, target in targets.items():
+        if target.buffer is not None and not target.buffer.export:
+            continue
+        # a writable copy, torch.from_numpy-safe
+        out[prefix + name] = np.array(_export(target, dtype), order="C")
     return out
 
 
@@ -94,9 +243,10 @@ def _is_floating(dtype) -> bool:
     return jnp.issubdtype(dtype, jnp.floating)
 
 
-def _check_value(name, entry: _Entry, value: np.ndarray, expected_shape) -> str | None:
-    """What is wrong with ``value`` for ``entry`` (one line naming the key), or ``None``."""
-    if entry.variable is None:  # the mask buffer: compared by value, so bool and ints will do
+def _check_value(name, target: _Target, value: np.ndarray) -> str | None:
+    """What is wrong with ``value`` for ``target`` (one line naming the key), or ``None``."""
+    expected_shape = target.layout_shape
+    if target.buffer is not None:  # compared by value, so bool and ints will do
         if not (_is_floating(value.dtype) or value.dtype.kind in "biu"):
             return f"{name}: dtype {value.dtype} must be a real number or bool dtype"
     elif not _is_floating(value.dtype):
@@ -105,14 +255,12 @@ def _check_value(name, entry: _Entry, value: np.ndarray, expected_shape) -> str 
             f"(float16, bfloat16, float32 or float64)"
         )
     if value.shape != expected_shape:
-        return f"{name}: shape {value.shape} must be {expected_shape}"
+        hint = f" ({target.hint})" if target.hint else ""
+        return f"{name}: shape {value.shape} must be {expected_shape}{hint}"
     if not np.all(np.isfinite(value.astype(np.float32) if value.dtype.kind in "biu" else value)):
         return f"{name}: holds NaN or inf ({_describe(value)})"
-    if entry.variable is None and not np.array_equal(value, entry.expected):
-        return (
-            f"{name}: differs from triu(ones({expected_shape[0]}, {expected_shape[1]}), "
-            f"diagonal=1), the causal mask of context_length"
-        )
+    if target.expected is not None and not np.array_equal(value, target.expected):
+        return f"{name}: differs from {_buffer_rule(target)}, the causal mask of context_length"
     return None
 
 
@@ -128,6 +276,32 @@ def _cast(name, value: np.ndarray, variable: nnx.Variable) -> tuple[np.ndarray, 
     return cast, f"{name}: overflows {cast.dtype} (largest magnitude {largest:.3g} > {limit:.6g})"
 
 
+def _split(name, target: _Target, value: np.ndarray, updates: list) -> str | None:
+    """Append ``(variable, value)`` for each part of ``value`` to ``updates``, or return the
+    first problem (a part that overflows, nonzero where the layer has no such bias)."""
+    value = value.T if target.transpose else value
+    start = 0
+    pending = []
+    for part in target.parts:
+        piece = value[start : start + part.shape[0]]
+        if part.entry is None:
+            if np.any(piece != 0):
+                return (
+                    f"{name}[{start}:{start + part.shape[0]}]: must be zeros, as the layer has "
+                    f"no {part.name} (qkv_bias=False)"
+                )
+        else:
+            piece, problem = _cast(
+                name, piece.T if part.entry.transpose else piece, part.entry.variable
+            )
+            if problem is not None:
+                return problem
+            pending.append((part.entry.variable, piece))
+        start += part.shape[0]
+    updates += pending
+    return None
+
+
 def _assign(variable: nnx.Variable, value: np.ndarray) -> None:
     """Replace the variable's value whole, on its current sharding. (``variable[...] = value``
     compiles an XLA scatter per shape and fails on an abstract module made by ``nnx.eval_shape``,
@@ -139,47 +313,80 @@ def _assign(variable: nnx.Variable, value: np.ndarray) -> None:
         variable.set_value(jax.device_put(value))
 
 
-def load_state_dict(module: nnx.Module, state_dict, strict: bool = True) -> IncompatibleKeys:
-    """Load torch names and layouts (numpy, jax or CPU torch arrays) into ``module``.
+def load_state_dict(
+    module: nnx.Module,
+    state_dict,
+    strict: bool = True,
+    *,
+    layout: str = "documents",
+    prefix: str = "",
+) -> IncompatibleKeys:
+    """Load ``layout``'s names and shapes (numpy, jax or CPU torch arrays) into ``module``.
 
-    Every value is checked before anything is written: with ``strict=True`` any missing,
-    unexpected, mis-shaped, non-floating (integer, bool, ...) or non-finite key, a value that
-    overflows the parameter's dtype, and a ``mask`` buffer that differs from the one
-    ``context_length`` implies, raises one ``ValueError`` naming every offending key, and
-    ``module`` is left exactly as it was. With ``strict=False`` the good keys are loaded and the
-    rest are returned in an ``IncompatibleKeys``.
+    Only the keys that start with ``prefix`` are read (``"transformer.h.3.attn."`` picks one
+    layer out of a model's state dict); the rest of ``state_dict`` is ignored, and strictness
+    applies to the keys under ``prefix``. Every value is checked before anything is written:
+    with ``strict=True`` any missing, unexpected, mis-shaped, non-floating (integer, bool, ...)
+    or non-finite key, a value that overflows the parameter's dtype, and a causal buffer
+    (``mask``, GPT-2's ``bias``) that differs from the one ``context_length`` implies, raises one
+    ``ValueError`` naming every offending key, and ``module`` is left exactly as it was. Buffers
+    are never required. With ``strict=False`` the good keys are loaded and the rest are
+    returned in an ``IncompatibleKeys`` (full key names, ``prefix`` included).
     """
     if not hasattr(state_dict, "keys"):
         raise TypeError(
             f"state_dict ({type(state_dict).__name__}) must be a mapping (str -> array)"
         )
-    entries = _torch_entries(module)
-    missing = [name for name in entries if name not in state_dict]
-    unexpected = [name for name in state_dict if name not in entries]
+    spec = _layout(module, layout)
+    _check_prefix(prefix)
+    given = {
+        key[len(prefix) :]: key
+        for key in state_dict.keys()
+        if isinstance(key, str) and key.startswith(prefix)
+    }
+    targets = _targets(module, spec, given)
+    values = {name: state_dict[full] for name, full in given.items()}
+    if (
+        spec.bias_free_when in given
+        and spec.bias_free
+        and not any(name in given for name in spec.bias_free)
+    ):  # a bias-free peer (torch.nn.MultiheadAttention(bias=False)): its biases are zeros
+        for name in spec.bias_free:
+            values[name] = np.zeros(targets[name].layout_shape, np.float32)
+    refused = dict(spec.refused)
+    missing = [
+        prefix + name for name, t in targets.items() if name not in values and t.buffer is None
+    ]
+    unexpected = [full for name, full in given.items() if name not in targets]
+    if not prefix:  # a key that is not a string cannot be any layer's
+        unexpected += [key for key in state_dict.keys() if not isinstance(key, str)]
     mismatched: list[str] = []
     problems: list[str] = []
     updates: list[tuple[nnx.Variable, np.ndarray]] = []
-    for name, entry in entries.items():
-        if name not in state_dict:
+    for name, target in targets.items():
+        if name not in values:
             continue
+        full = prefix + name
         try:
-            value = np.asarray(state_dict[name])
+            value = np.asarray(values[name])
         except Exception as error:  # noqa: BLE001 - any array-like failure names the key
-            mismatched.append(name)
-            problems.append(f"{name}: cannot be read as an array ({error})")
+            mismatched.append(full)
+            problems.append(f"{full}: cannot be read as an array ({error})")
             continue
-        expected_shape = _torch_shape(entry)
-        problem = _check_value(name, entry, value, expected_shape)
-        if problem is None and entry.variable is not None:
-            value, problem = _cast(name, value.T if entry.transpose else value, entry.variable)
-            if problem is None:
-                updates.append((entry.variable, value))
+        problem = _check_value(full, target, value)
+        if problem is None and target.buffer is None:
+            problem = _split(full, target, value, updates)
         if problem is not None:
-            mismatched.append(name)
+            mismatched.append(full)
             problems.append(problem)
     if strict and (missing or unexpected or mismatched):
         lines = [f"missing key {name}" for name in missing]
-        lines += [f"unexpected key {name}" for name in unexpected]
+        lines += [
+            f"unexpected key {full}" + (f" ({refused[name]})" if name in refused else "")
+            for name, full in given.items()
+            if name not in targets
+        ]
+        lines += [f"unexpected key {key!r}" for key in unexpected if not isinstance(key, str)]
         lines += problems
         raise ValueError(
             f"load_state_dict into {type(module).__name__} (strict=True) found "
@@ -190,11 +397,14 @@ def load_state_dict(module: nnx.Module, state_dict, strict: bool = True) -> Inco
     return IncompatibleKeys(missing, unexpected, mismatched)
 
 
-def save_file(module: nnx.Module, path: str | os.PathLike) -> None:
-    """Write ``state_dict(module)`` to a safetensors file that torch loads as its ``state_dict``."""
+def save_file(
+    module: nnx.Module, path: str | os.PathLike, *, layout: str = "documents", prefix: str = ""
+) -> None:
+    """Write ``state_dict(module, layout=layout, prefix=prefix)`` to a safetensors file that
+    torch loads as its ``state_dict``."""
     from safetensors.numpy import save_file as _save
 
-    _save(state_dict(module), os.fspath(path))
+    _save(state_dict(module, layout=layout, prefix=prefix), os.fspath(path))
 
 
 class _Unreadable:
@@ -208,19 +418,30 @@ class _Unreadable:
         raise TypeError(self.reason)
 
 
-def load_file(module: nnx.Module, path: str | os.PathLike, strict: bool = True):
-    """Read a safetensors file of torch names and layouts into ``module`` (see
-    ``load_state_dict``). Only safetensors is read (nothing is unpickled). A file that cannot be
-    read (missing, truncated, a header that is not JSON or claims more data than the file holds)
-    and a strict load that finds bad keys raise ``ValueError`` naming the file (and the keys);
-    ``module`` is then untouched."""
+def load_file(
+    module: nnx.Module,
+    path: str | os.PathLike,
+    strict: bool = True,
+    *,
+    layout: str = "documents",
+    prefix: str = "",
+):
+    """Read a safetensors file of ``layout``'s names into ``module`` (see ``load_state_dict``;
+    ``prefix`` picks one layer of a whole model's file). Only safetensors is read (nothing is
+    unpickled). A file that cannot be read (missing, truncated, a header that is not JSON or
+    claims more data than the file holds) and a strict load that finds bad keys raise
+    ``ValueError`` naming the file (and the keys); ``module`` is then untouched."""
     from safetensors import SafetensorError, safe_open
 
+    spec = _layout(module, layout)  # a bad layout or prefix before the file is read
+    _check_prefix(prefix)
     name = os.fspath(path)
     try:
         tensors = {}
         with safe_open(name, framework="numpy") as file:
             for key in file.keys():  # noqa: SIM118 - a safe_open handle is not a mapping
+                if not key.startswith(prefix):
+                    continue  # another layer's key: not even read
                 try:
                     tensors[key] = file.get_tensor(key)
                 except (AttributeError, TypeError, ValueError) as error:  # a dtype NumPy lacks
@@ -229,6 +450,6 @@ def load_file(module: nnx.Module, path: str | os.PathLike, strict: bool = True):
     except (SafetensorError, OSError, ValueError) as error:
         raise ValueError(f"path ({name!r}) must be a readable safetensors file: {error}") from error
     try:
-        return load_state_dict(module, tensors, strict=strict)
+        return load_state_dict(module, tensors, strict=strict, layout=spec.name, prefix=prefix)
     except ValueError as error:
         raise ValueError(f"load_file({name!r}): {error}") from error
