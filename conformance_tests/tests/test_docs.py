@@ -95,6 +95,23 @@ def test_every_relative_link_and_anchor_resolves(page):
     assert not problems, "\n".join(problems)
 
 
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_table_rows_have_as_many_cells_as_their_header(page):
+    """A ``|`` inside a code span splits a table cell on GitHub unless written ``\\|``."""
+    problems, cells = [], None
+    text = _FENCE.sub(lambda block: "\n" * block.group(0).count("\n"), page.read_text())
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.startswith("|"):
+            cells = None
+            continue
+        count = len(re.split(r"(?<!\\)\|", line)) - 2
+        if cells is None:
+            cells = count
+        elif count != cells:
+            problems.append(f"line {number}: {count} cells, header has {cells}")
+    assert not problems, "\n".join(problems)
+
+
 def test_every_page_under_docs_is_linked_from_the_readme():
     linked = {
         (ROOT / t.partition("#")[0]).resolve() for t in links(ROOT / "README.md") if "://" not in t

@@ -74,3 +74,29 @@ def test_ci_runs_the_readme_commands():
     # the development install of "Install" is the report command without its last step
     (develop,) = [c for c in commands if c.endswith('pip install -e ".[dev]"')]
     assert report == develop + " && python -m conformance_tests"
+
+
+def test_layer_table_names_every_layer_and_spec_case():
+    """Every name in the layer table exists in both packages, every spec-case pattern matches a
+    case, and every case and public layer of the documents is in the table."""
+    import fnmatch
+
+    import flax_attention as fa
+    import torch_reference as tr
+    from conformance_tests.spec import CASES
+
+    table = README.split("## The layers\n\n", 1)[1].split("\n\n", 1)[0]
+    rows = [[cell.strip() for cell in row.split("|")[1:-1]] for row in table.splitlines()[2:]]
+    assert len(rows) >= 9, table
+    layers, patterns = set(), set()
+    for _, torch_cell, flax_cell, cases in rows:
+        assert flax_cell.startswith("same"), flax_cell
+        layers |= set(re.findall(r"`(\w+)(?:\(|`)", torch_cell))
+        patterns |= set(re.findall(r"`([\w*]+)`", cases))
+    assert layers == set(tr.__all__), layers ^ set(tr.__all__)
+    assert all(hasattr(fa, name) for name in layers)
+    names = [case.name for case in CASES]
+    for pattern in patterns:
+        assert fnmatch.filter(names, pattern), f"{pattern} matches no spec case"
+    missed = [n for n in names if not any(fnmatch.fnmatch(n, p) for p in patterns)]
+    assert not missed, f"spec cases the table does not name: {missed}"
