@@ -7,13 +7,11 @@ import dataclasses
 import json
 import math
 import os
-import sys
 import time
-
-from tqdm import tqdm
 
 from benchmarks.config import FULL, QUICK, SECTIONS, parse_shape
 from benchmarks.rows import make_row
+from conformance_tests.cli import progress_bar
 
 __all__ = ["main", "parse_args", "targets"]
 
@@ -241,8 +239,7 @@ def main(argv=None) -> int:
     for section in args.sections:
         module = _section_module(section)
         total = module.plan_calls(config)
-        with tqdm(total=total, desc=section, unit="call", file=sys.stderr,
-                  disable=args.no_progress, leave=False) as bar:  # fmt: skip
+        with progress_bar(total, section, enabled=not args.no_progress) as bar:
             if section == "memory":
                 new = module.run(config, bar, torch_threads=args.torch_threads)
             else:

@@ -49,7 +49,8 @@ def time_calls(fn: Callable[[], object], repeats: int) -> Timing:
 def interleaved(fns: dict[str, Callable[[], object]], repeats: int, progress=None):
     """``{name: Timing}`` from ``repeats`` rounds, each calling every ``fn`` once in turn.
 
-    ``progress`` (a tqdm bar or ``None``) is advanced once per call.
+    ``progress`` (``conformance_tests.cli.progress_bar``'s bar, or ``None``) is advanced once per
+    call.
     """
     samples: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):

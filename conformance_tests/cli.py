@@ -3,23 +3,103 @@
 One row per case, check and dtype: case, backend, dtype, check, max abs error, max rel error,
 tolerance, pass/fail. Exits 1 if any row fails. ``--mesh 2x4`` runs the Flax side sharded over a
 device mesh (the backend column says ``cpu[mesh 2x4]``).
+
+The report needs torch (and matplotlib for ``--plots``): the ``report`` extra. Without them it
+prints what to install and exits 2, before importing either.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib.util
 import json
 import os
 import sys
 import tempfile
 import time
+from typing import TYPE_CHECKING
 
-from tqdm import tqdm
-
-from conformance_tests import harness
 from conformance_tests.spec import CHECKS, select
 
-__all__ = ["main"]
+if TYPE_CHECKING:
+    from conformance_tests import harness
+
+__all__ = ["main", "missing_requirements", "progress_bar"]
+
+#: How to install what the report needs, as the README says it (torch's CPU build first).
+INSTALL = (
+    "  pip install torch==2.13.0  # first: the CPU build (else pip may pull a multi-GB CUDA one)\n"
+    "  pip install 'flax-attention[report]'  # or, in a clone: pip install -e '.[report]'"
+)
+
+
+def missing_requirements(plots: bool = False) -> str | None:
+    """``None`` when the report can run, else the message naming what is missing and how to
+    install it (torch always; matplotlib for ``--plots``)."""
+    needed = ["torch"] + (["matplotlib"] if plots else [])
+    missing = [name for name in needed if importlib.util.find_spec(name) is None]
+    if not missing:
+        return None
+    what = " and ".join(missing)
+    return (
+        f"python -m conformance_tests needs {what}, which {'is' if len(missing) == 1 else 'are'} "
+        f"not installed (the 'report' extra). Install it with:\n{INSTALL}"
+    )
+
+
+class _Bar:
+    """What the loops see of a progress bar: ``update(n)`` and ``status(text)``."""
+
+    def __init__(self, progress=None, task=None):
+        self._progress, self._task = progress, task
+
+    def update(self, advance: int = 1) -> None:
+        if self._progress is not None:
+            self._progress.update(self._task, advance=advance)
+
+    def status(self, text: str) -> None:
+        if self._progress is not None:
+            self._progress.update(self._task, status=text)
+
+
+@contextlib.contextmanager
+def progress_bar(total: int, description: str, enabled: bool = True):
+    """A progress bar on stderr (rich, which flax brings), drawn only when stderr is a terminal;
+    it disappears when done. Lines printed to stdout meanwhile stay on stdout."""
+    if not (enabled and sys.stderr.isatty()):
+        yield _Bar()
+        return
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        TextColumn("{task.fields[status]}"),
+    )
+    # Printed lines go through the bar's console only when stdout is the same terminal; a
+    # redirected stdout (a file, a pipe) keeps every row.
+    progress = Progress(
+        *columns,
+        console=Console(stderr=True),
+        transient=True,
+        redirect_stdout=sys.stdout.isatty(),
+        redirect_stderr=False,
+    )
+    with progress:
+        yield _Bar(progress, progress.add_task(description, total=total, status=""))
+
 
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
 
@@ -85,7 +165,13 @@ HEADER = (
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    missing = missing_requirements(plots=bool(args.plots))
+    if missing:
+        print(missing, file=sys.stderr)
+        return 2
     import jax
+
+    from conformance_tests import harness
 
     jax.config.update("jax_numpy_rank_promotion", "raise")  # as in the tests
     cases = select(args.cases)
@@ -117,23 +203,23 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as workdir:
         for backend in found:
             label = backend.label
-            progress = tqdm(plan, desc=f"{label}", unit="check", file=sys.stderr, leave=False)
-            for case, check, dtype in progress:
-                if (label, case.name) not in skipped:
-                    with backend.scope():
-                        reason = harness.mesh_skip_reason(case, backend)
-                    if reason is not None:
-                        skipped[(label, case.name)] = reason
-                        tqdm.write(f"{case.name:<30} {label:<12} SKIP: {reason}")
-                if skipped.get((label, case.name)):
-                    continue
-                progress.set_postfix_str(f"{case.name} {check} {dtype}")
-                for row in harness.run_case(case, check, backend, dtype, workdir):
-                    row.backend = label
-                    rows.append(row)
-                    if not args.quiet or not row.passed:
-                        tqdm.write(_format(row, label))
-            progress.close()
+            with progress_bar(len(plan), label) as bar:
+                for case, check, dtype in plan:
+                    bar.update()  # one step per planned check, run or skipped
+                    if (label, case.name) not in skipped:
+                        with backend.scope():
+                            reason = harness.mesh_skip_reason(case, backend)
+                        if reason is not None:
+                            skipped[(label, case.name)] = reason
+                            print(f"{case.name:<30} {label:<12} SKIP: {reason}", flush=True)
+                    if skipped.get((label, case.name)):
+                        continue
+                    bar.status(f"{case.name} {check} {dtype}")
+                    for row in harness.run_case(case, check, backend, dtype, workdir):
+                        row.backend = label
+                        rows.append(row)
+                        if not args.quiet or not row.passed:
+                            print(_format(row, label), flush=True)
     failed = [r for r in rows if not r.passed]
     elapsed = time.perf_counter() - start
     n_skipped = sum(1 for reason in skipped.values() if reason)

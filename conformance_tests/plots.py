@@ -1,21 +1,19 @@
-"""PNG heatmaps of the attention weights on the documents' input: torch, Flax, |difference|."""
+"""PNG heatmaps of the attention weights on the documents' input: torch, Flax, |difference|.
+
+matplotlib (the ``report`` extra) is imported only by ``write_heatmaps``, which draws.
+"""
 
 from __future__ import annotations
 
 import os
 
-import matplotlib
+import numpy as np
+import torch
 
-matplotlib.use("Agg")  # headless
-
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-
-import flax_attention.core as core  # noqa: E402
-from conformance_tests.documents import INPUTS  # noqa: E402
-from conformance_tests.harness import build_pair  # noqa: E402
-from conformance_tests.spec import CASES, DOCUMENTS, Case  # noqa: E402
+import flax_attention.core as core
+from conformance_tests.documents import INPUTS
+from conformance_tests.harness import build_pair
+from conformance_tests.spec import CASES, DOCUMENTS, Case
 
 __all__ = ["attention_weights_pair", "write_heatmaps"]
 
@@ -71,6 +69,11 @@ def attention_weights_pair(case, workdir):
 
 def write_heatmaps(out_dir, workdir) -> list[str]:
     """One PNG per layer: torch weights, Flax weights and their absolute difference."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # headless
+    import matplotlib.pyplot as plt
+
     os.makedirs(out_dir, exist_ok=True)
     paths = []
     seen = set()

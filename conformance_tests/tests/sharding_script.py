@@ -522,7 +522,7 @@ def check_readme_example(records):
     import pathlib
     import re
 
-    readme = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
+    readme = (pathlib.Path(__file__).resolve().parents[2] / "docs/sharding.md").read_text()
     (block,) = [
         b for b in re.findall(r"```python\n(.*?)```", readme, flags=re.S) if "fa.shard(" in b
     ]

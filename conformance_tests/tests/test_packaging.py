@@ -1,0 +1,142 @@
+"""What ``pip install .`` installs and needs: the layers import only their declared dependencies
+(checked on every import statement, function-level ones included, and on a fresh interpreter),
+the extras hold what the reference, the report and the tests import, and ``python -m
+conformance_tests`` without torch or matplotlib says what to install."""
+
+from __future__ import annotations
+
+import ast
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+from conformance_tests import cli
+
+tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+PROJECT = PYPROJECT["project"]
+OWN = {"flax_attention", "torch_reference", "conformance_tests", "benchmarks"}
+#: Import name -> distribution name, where they differ.
+DISTRIBUTION = {"orbax": "orbax-checkpoint", "yaml": "pyyaml"}
+
+
+def _name(requirement: str) -> str:
+    return re.split(r"[\s<>=!~;\[]", requirement, maxsplit=1)[0].lower()
+
+
+def _extra(name: str) -> set[str]:
+    """The distributions of an extra, following ``flax-attention[...]`` references."""
+    names = set()
+    for requirement in PROJECT["optional-dependencies"][name]:
+        if _name(requirement) == "flax-attention":
+            inner = re.search(r"\[(.*)\]", requirement).group(1)
+            for other in inner.split(","):
+                names |= _extra(other.strip())
+        else:
+            names.add(_name(requirement))
+    return names
+
+
+DEPENDENCIES = {_name(r) for r in PROJECT["dependencies"]}
+
+
+def _imports(paths) -> dict[str, set[str]]:
+    """Top-level third-party module -> the files importing it (every ``import`` in the tree)."""
+    found: dict[str, set[str]] = {}
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            for name in names:
+                top = name.split(".")[0]
+                if top not in sys.stdlib_module_names and top not in OWN and top != "__future__":
+                    found.setdefault(DISTRIBUTION.get(top, top), set()).add(path.name)
+    return found
+
+
+def _is_test(path: pathlib.Path) -> bool:
+    return "tests" in path.relative_to(ROOT).parts[1:-1] or path.name == "conftest.py"
+
+
+def _files(package: str, tests: bool = False):
+    return [f for f in sorted((ROOT / package).rglob("*.py")) if _is_test(f) == tests]
+
+
+def test_the_layers_need_exactly_the_declared_dependencies():
+    assert DEPENDENCIES == {"jax", "flax", "numpy", "safetensors"}
+    imported = _imports(_files("flax_attention"))
+    assert set(imported) <= DEPENDENCIES, f"undeclared: {set(imported) - DEPENDENCIES}"
+    assert {"jax", "flax", "numpy", "safetensors"} <= set(imported)
+
+
+def test_the_reference_report_and_tests_need_only_their_extras():
+    assert _imports(_files("torch_reference")).keys() <= {"torch"} | DEPENDENCIES
+    assert "torch" in _extra("torch")
+    report = DEPENDENCIES | _extra("report")
+    assert {"torch", "matplotlib"} <= _extra("report")
+    imported = _imports(_files("conformance_tests")) | _imports(_files("benchmarks"))
+    assert set(imported) <= report, f"undeclared for the report: {set(imported) - report}"
+    dev = report | _extra("dev")
+    imported = _imports(_files("conformance_tests", tests=True) + _files("examples"))
+    assert set(imported) <= dev, f"undeclared for the tests: {set(imported) - dev}"
+    assert {"pytest", "pytest-xdist", "hypothesis", "ruff", "transformers", "tokenizers"} <= dev
+
+
+def test_lower_bounds_are_the_checked_versions():
+    bounds = dict(re.match(r"(\w+)>=([\d.]+)$", r).groups() for r in PROJECT["dependencies"])
+    assert bounds["jax"] == "0.8.1" and bounds["flax"] == "0.12.4", bounds
+    readme = (ROOT / "README.md").read_text()
+    assert "jax 0.8.1 and flax 0.12.4" in readme, "the README must name the checked versions"
+
+
+def test_no_generic_top_level_package_is_installed_and_types_are_shipped():
+    include = PYPROJECT["tool"]["setuptools"]["packages"]["find"]["include"]
+    assert sorted(include) == ["conformance_tests*", "flax_attention*", "torch_reference*"]
+    assert PYPROJECT["tool"]["setuptools"]["package-data"]["flax_attention"] == ["py.typed"]
+    assert (ROOT / "flax_attention" / "py.typed").is_file()
+
+
+def test_importing_the_layers_loads_no_torch_matplotlib_or_tqdm():
+    code = (
+        "import sys, flax_attention\n"
+        "loaded = {'torch', 'matplotlib', 'tqdm'} & {m.split('.')[0] for m in sys.modules}\n"
+        "assert not loaded, loaded\n"
+        "print(len(flax_attention.__all__))\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert int(done.stdout) >= 20
+
+
+def test_the_report_without_torch_says_what_to_install(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "torch", None)  # what find_spec sees when it is absent
+    assert cli.main(["--cases", "doc_*"]) == 2
+    message = capsys.readouterr().err
+    assert message.startswith("python -m conformance_tests needs torch, which is not installed")
+    lines = message.splitlines()
+    assert lines[1].split("#")[0].strip() == "pip install torch==2.13.0", message
+    assert lines[2].split("#")[0].strip() == "pip install 'flax-attention[report]'", message
+    assert "pip install -e '.[report]'" in lines[2], message
+
+
+def test_the_report_without_matplotlib_says_so_only_for_plots(monkeypatch, capsys, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert cli.missing_requirements(plots=False) is None
+    assert cli.main(["--plots", str(tmp_path)]) == 2
+    message = capsys.readouterr().err
+    assert message.startswith("python -m conformance_tests needs matplotlib, which is not")
+    assert "pip install 'flax-attention[report]'" in message
+    assert not any(tmp_path.iterdir()), "nothing runs before the check"
