@@ -459,9 +459,3 @@ def test_fused_qkv_takes_nanogpt_keys_renamed():
     assert (result.missing_keys, result.unexpected_keys) == (["bias"], []), result  # its buffer
     with torch.no_grad():
         _close("nanoGPT from our export", fresh(x).numpy(), ours(x.numpy()))
-
-
-def test_the_docs_example_runs():
-    text = (ROOT / "docs" / "weights.md").read_text()
-    (block,) = [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "GPT2Model" in b]
-    exec(compile(block, "docs/weights.md", "exec"), {})
