@@ -61,7 +61,8 @@ def _load() -> str | None:
         return f"the BLAS package scipy-openblas32 is not installed ({error})"
     blas = pathlib.Path(scipy_openblas32.get_lib_dir()) / f"lib{scipy_openblas32.get_library()}.so"
     try:
-        ctypes.CDLL(str(blas), mode=ctypes.RTLD_GLOBAL)  # the kernel links it by name
+        openblas = ctypes.CDLL(str(blas), mode=ctypes.RTLD_GLOBAL)  # the kernel links it by name
+        openblas.scipy_openblas_set_num_threads(1)  # the kernel's tasks are the parallelism
         library = ctypes.CDLL(str(built[-1]))
         for name, symbol in ((_FORWARD, "FlaxAttentionForward"), (_BACKWARD, "FlaxAttentionBackward")):
             capsule = jax.ffi.pycapsule(getattr(library, symbol))

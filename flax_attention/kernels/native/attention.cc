@@ -70,8 +70,9 @@ inline uint32_t Mix(uint32_t state, uint32_t counter) {
 // ---- exp: Cephes' expf polynomial, vectorisable; exp(x < -87.3) = 0 exactly (-inf -> 0) ------
 
 inline float Exp(float x) {
-  const float clamped = std::min(std::max(x, -87.3f), 88.3f);
-  const float n = std::floor(clamped * 1.44269504f + 0.5f);
+  float clamped = x < -87.3f ? -87.3f : x;
+  clamped = clamped > 88.3f ? 88.3f : clamped;
+  const float n = (clamped * 1.44269504f + 12582912.0f) - 12582912.0f;  // round to nearest
   const float r = clamped - n * 0.693359375f + n * 2.12194440e-4f;
   float p = 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
@@ -115,27 +116,55 @@ struct Attention {
   }
 };
 
-// Scaled scores of query rows [i0, i0 + rows) against keys [0, kend): S (rows x kend).
+// Rows of scores are padded to a multiple of kLanes (the padding holds -inf, so its weight is 0):
+// the row loops below run over whole vectors.
+constexpr int64_t kLanes = 16;
+
+int64_t Padded(int64_t n) { return (n + kLanes - 1) / kLanes * kLanes; }
+
+// Scaled scores of query rows [i0, i0 + rows) against keys [0, kend): S (rows x ld).
 void Scores(const Attention& a, int64_t b, int64_t hd, int64_t i0, int64_t rows, int64_t kend,
-            float* S) {
+            float* S, int64_t ld) {
   scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, kend, a.dk, a.scale,
-                    a.Q(b, i0, hd), a.heads * a.dk, a.K(b, 0, hd), a.heads * a.dk, 0.0f, S, kend);
+                    a.Q(b, i0, hd), a.heads * a.dk, a.K(b, 0, hd), a.heads * a.dk, 0.0f, S, ld);
 }
 
-// Fill the caller-masked scores of one row (keys [0, n)).
-void FillRow(const Attention& a, const bool* keep, float* row, int64_t n) {
-  const int64_t step = a.mask_stride[3];
-  for (int64_t j = 0; j < n; ++j)
-    if (!keep[j * step]) row[j] = a.fill;
+// One row's scores as the softmax sees them: the caller-masked keys of [0, n) filled, the keys
+// from n on (hidden by causality, or padding) -inf.
+void MaskRow(const Attention& a, const bool* keep, float* row, int64_t n, int64_t ld) {
+  if (keep) {
+    const int64_t step = a.mask_stride[3];
+    for (int64_t j = 0; j < n; ++j)
+      if (!keep[j * step]) row[j] = a.fill;
+  }
+  std::fill(row + n, row + ld, kNegInf);
 }
 
-// Multiply one row of weights by the dropout keep-mask / (1 - rate).
-void DropRow(const Attention& a, uint32_t row_hash, float* row, int64_t n) {
+float RowMax(const float* row, int64_t ld) {
+  float m = kNegInf;
+#pragma omp simd reduction(max : m)
+  for (int64_t j = 0; j < ld; ++j) m = row[j] > m ? row[j] : m;
+  return m;
+}
+
+// row <- exp(row - m) * scale; returns the sum of exp(row - m).
+float ExpRow(float* row, int64_t ld, float m, float scale) {
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j < ld; ++j) {
+    const float p = Exp(row[j] - m);
+    sum += p;
+    row[j] = p * scale;
+  }
+  return sum;
+}
+
+// keep[j] <- the dropout factor of key j: 1 / (1 - rate) where the hash keeps it, else 0.
+void DropoutRow(const Attention& a, uint32_t row_hash, float* keep, int64_t ld) {
   const uint32_t threshold = a.drop_threshold;
   const float kept = a.drop_scale;
 #pragma omp simd
-  for (int64_t j = 0; j < n; ++j)
-    row[j] *= Mix(row_hash, uint32_t(j)) >= threshold ? kept : 0.0f;
+  for (int64_t j = 0; j < ld; ++j) keep[j] = Mix(row_hash, uint32_t(j)) >= threshold ? kept : 0.0f;
 }
 
 // ---- a parallel for over XLA's intra-op thread pool; the calling thread works too ----------
@@ -165,7 +194,7 @@ void ParallelFor(ffi::ThreadPool& pool, int64_t n, const Body& body) {
   state->cv.wait(lock, [&] { return state->done.load() == n; });
 }
 
-thread_local std::vector<float> scratch;
+thread_local std::vector<float> scratch;  // per thread: one task's tiles
 
 float* Scratch(size_t size) {
   if (scratch.size() < size) scratch.resize(size);
@@ -178,6 +207,7 @@ void ForwardBlock(const Attention& a, int64_t b, int64_t hd, int64_t i0, float* 
                   float* L) {
   const int64_t rows = std::min(a.bq, a.t - i0);
   const int64_t kend = a.Visible(i0 + rows - 1);  // the block's last row sees the most keys
+  const int64_t ld = Padded(kend);
   float* O = out + ((b * a.t + i0) * a.heads + hd) * a.dv;
   float* m_out = M + (b * a.heads + hd) * a.t + i0;
   float* l_out = L + (b * a.heads + hd) * a.t + i0;
@@ -188,27 +218,22 @@ void ForwardBlock(const Attention& a, int64_t b, int64_t hd, int64_t i0, float* 
     }
     return;
   }
-  float* S = Scratch(rows * kend);
-  Scores(a, b, hd, i0, rows, kend, S);
+  float* S = Scratch((rows + 1) * ld);
+  float* drop = S + rows * ld;
+  Scores(a, b, hd, i0, rows, kend, S, ld);
   for (int64_t r = 0; r < rows; ++r) {
-    float* row = S + r * kend;
-    const int64_t n = a.Visible(i0 + r);
-    if (a.mask) FillRow(a, a.MaskRow(b, hd, i0 + r), row, n);
-    float m = kNegInf;
-#pragma omp simd reduction(max : m)
-    for (int64_t j = 0; j < n; ++j) m = std::max(m, row[j]);
+    float* row = S + r * ld;
+    MaskRow(a, a.mask ? a.MaskRow(b, hd, i0 + r) : nullptr, row, a.Visible(i0 + r), ld);
+    float m = RowMax(row, ld);
     if (m == kNegInf) m = 0.0f;  // nothing visible: every p is 0
-    float l = 0.0f;
-#pragma omp simd reduction(+ : l)
-    for (int64_t j = 0; j < n; ++j) {
-      row[j] = Exp(row[j] - m);
-      l += row[j];
+    l_out[r] = ExpRow(row, ld, m, 1.0f);
+    m_out[r] = m;
+    if (a.Dropout()) {
+      DropoutRow(a, a.RowHash(b, hd, i0 + r), drop, ld);
+      for (int64_t j = 0; j < ld; ++j) row[j] *= drop[j];
     }
-    std::fill(row + n, row + kend, 0.0f);  // causally hidden keys of the block
-    if (a.Dropout()) DropRow(a, a.RowHash(b, hd, i0 + r), row, n);
-    m_out[r] = m, l_out[r] = l;
   }
-  scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, a.dv, kend, 1.0f, S, kend,
+  scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, a.dv, kend, 1.0f, S, ld,
                     a.V(b, 0, hd), a.heads * a.dv, 0.0f, O, a.heads * a.dv);
   for (int64_t r = 0; r < rows; ++r) {
     const float l = l_out[r];
@@ -240,42 +265,45 @@ void BackwardHead(const Attention& a, int64_t b, int64_t hd, const float* out, c
         std::fill(dQ + r * ldk, dQ + r * ldk + a.dk, std::nanf(""));
       continue;
     }
-    float* P = Scratch(2 * rows * kend);
-    float* dP = P + rows * kend;
-    Scores(a, b, hd, i0, rows, kend, P);
+    const int64_t ld = Padded(kend);
+    float* P = Scratch((2 * rows + 1) * ld);
+    float* dP = P + rows * ld;
+    float* drop = dP + rows * ld;
+    Scores(a, b, hd, i0, rows, kend, P, ld);
     scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, kend, a.dv, 1.0f, dO, ldv,
-                      a.V(b, 0, hd), ldv, 0.0f, dP, kend);
+                      a.V(b, 0, hd), ldv, 0.0f, dP, ld);
     for (int64_t r = 0; r < rows; ++r) {
-      float* p = P + r * kend;
-      float* dp = dP + r * kend;
+      float* p = P + r * ld;
+      float* dp = dP + r * ld;
       const int64_t n = a.Visible(i0 + r);
       const bool* keep = a.mask ? a.MaskRow(b, hd, i0 + r) : nullptr;
-      if (keep) FillRow(a, keep, p, n);
-      float delta = 0.0f;
+      MaskRow(a, keep, p, n, ld);
+      ExpRow(p, ld, m[r], 1.0f / l[r]);  // the forward's weights
+      std::fill(dp + kend, dp + ld, 0.0f);
+      float delta = 0.0f;  // rowsum(dO * O)
       for (int64_t c = 0; c < a.dv; ++c) delta += dO[r * ldv + c] * O[r * ldv + c];
-      const float m_r = m[r], inv_l = 1.0f / l[r];
-#pragma omp simd
-      for (int64_t j = 0; j < n; ++j) p[j] = Exp(p[j] - m_r) * inv_l;
-      std::fill(p + n, p + kend, 0.0f);
-      std::fill(dp + n, dp + kend, 0.0f);
-      const uint32_t row_hash = a.Dropout() ? a.RowHash(b, hd, i0 + r) : 0;
-      for (int64_t j = 0; j < n; ++j) {
-        const float d = a.Dropout() ? (Mix(row_hash, uint32_t(j)) >= a.drop_threshold
-                                           ? a.drop_scale : 0.0f)
-                                    : 1.0f;
-        const bool filled = keep && !keep[j * a.mask_stride[3]];
-        const float ds = p[j] * (dp[j] * d - delta);
-        dp[j] = filled ? 0.0f : ds;  // dS
-        p[j] *= d;                    // P * D, for dV
+      if (a.Dropout()) {
+        DropoutRow(a, a.RowHash(b, hd, i0 + r), drop, ld);
+        for (int64_t j = 0; j < ld; ++j) {
+          dp[j] = p[j] * (dp[j] * drop[j] - delta);  // dS
+          p[j] *= drop[j];                           // P * D, for dV
+        }
+      } else {
+        for (int64_t j = 0; j < ld; ++j) dp[j] = p[j] * (dp[j] - delta);  // dS
+      }
+      if (keep) {  // a filled score is a constant: no gradient flows through it
+        const int64_t step = a.mask_stride[3];
+        for (int64_t j = 0; j < n; ++j)
+          if (!keep[j * step]) dp[j] = 0.0f;
       }
     }
     // dV += (P * D)^T dO;  dQ = dS K * scale;  dK += dS^T Q * scale
-    scipy_cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, kend, a.dv, rows, 1.0f, P, kend,
+    scipy_cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, kend, a.dv, rows, 1.0f, P, ld,
                       dO, ldv, 1.0f, dV, ldv);
     scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, a.dk, kend, a.scale, dP,
-                      kend, a.K(b, 0, hd), ldk, 0.0f, dQ, ldk);
+                      ld, a.K(b, 0, hd), ldk, 0.0f, dQ, ldk);
     scipy_cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, kend, a.dk, rows, a.scale, dP,
-                      kend, a.Q(b, i0, hd), ldk, 1.0f, dK, ldk);
+                      ld, a.Q(b, i0, hd), ldk, 1.0f, dK, ldk);
   }
 }
 
