@@ -64,7 +64,10 @@ def _load() -> str | None:
         openblas = ctypes.CDLL(str(blas), mode=ctypes.RTLD_GLOBAL)  # the kernel links it by name
         openblas.scipy_openblas_set_num_threads(1)  # the kernel's tasks are the parallelism
         library = ctypes.CDLL(str(built[-1]))
-        for name, symbol in ((_FORWARD, "FlaxAttentionForward"), (_BACKWARD, "FlaxAttentionBackward")):
+        for name, symbol in (
+            (_FORWARD, "FlaxAttentionForward"),
+            (_BACKWARD, "FlaxAttentionBackward"),
+        ):
             capsule = jax.ffi.pycapsule(getattr(library, symbol))
             jax.ffi.register_ffi_target(name, capsule, platform="cpu")
     except (OSError, AttributeError) as error:
@@ -121,7 +124,9 @@ def native_attention(
         if x.dtype not in (jnp.float32, jnp.bfloat16):
             raise TypeError(f"{name}.dtype ({x.dtype}) must be float32 or bfloat16")
     if dropout_rate and dropout_seed is None:
-        raise ValueError(f"dropout_seed (None) must be given when dropout_rate ({dropout_rate}) > 0")
+        raise ValueError(
+            f"dropout_seed (None) must be given when dropout_rate ({dropout_rate}) > 0"
+        )
     lead, (t, h, _), s = queries.shape[:-3], queries.shape[-3:], keys.shape[-3]
     dtype = queries.dtype
     q, k, v = (x.reshape(-1, *x.shape[-3:]).astype(jnp.float32) for x in (queries, keys, values))
