@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import math
 import os
 import pathlib
 
@@ -196,16 +195,16 @@ def _native(config, q, k, v, mask, offset, seed):
 
 
 def _native_fwd(config, q, k, v, mask, offset, seed):
-    out, m, l = _forward(config, q, k, v, mask, offset, seed)
-    return out, (q, k, v, mask, offset, seed, out, m, l)
+    out, m, denom = _forward(config, q, k, v, mask, offset, seed)
+    return out, (q, k, v, mask, offset, seed, out, m, denom)
 
 
 def _native_bwd(config, residuals, d_out):
-    q, k, v, mask, offset, seed, out, m, l = residuals
+    q, k, v, mask, offset, seed, out, m, denom = residuals
     shapes = tuple(jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in (q, k, v))
     call = jax.ffi.ffi_call(_BACKWARD, shapes, vmap_method="sequential")
     d_q, d_k, d_v = call(
-        q, k, v, mask, offset, seed, out, m, l, d_out.astype(jnp.float32), **config.attributes()
+        q, k, v, mask, offset, seed, out, m, denom, d_out.astype(jnp.float32), **config.attributes()
     )
     return d_q, d_k, d_v, None, None, None
 
