@@ -114,7 +114,7 @@ def native_attention(
       dropout_rate: dropout on the weights inside the tiles, kept weights scaled by
         ``1 / (1 - rate)``; the keep-mask is ``dropout_hash.keep_mask(dropout_seed, ...)``.
       dropout_seed: uint32 (int or traced scalar), required when ``dropout_rate > 0``.
-      block_q: query rows per tile, ``0`` = about 256 KiB of scores per tile.
+      block_q: query rows per tile, ``0`` = about 512 KiB of scores per tile (32 to 128 rows).
     """
     del precision  # always float32 products and sums
     if not available():
