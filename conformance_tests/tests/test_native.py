@@ -1,0 +1,332 @@
+"""The native CPU kernel (``flax_attention.kernels.native``) equals ``reference``, gradients too.
+
+Every case runs ``native_attention`` and ``dot_product_attention(implementation="reference")``
+on the same inputs under ``jit(value_and_grad)`` and compares the output and the gradients of
+``q``, ``k`` and ``v`` in float32 within ``ATOL``: causal and not, the caller's mask in every
+broadcast form the layers produce, fully masked rows with ``-inf`` (NaN, as softmax) and
+document 001's ``-1e10`` (uniform), query offsets (also traced), ``s != t``, odd and
+tile-crossing lengths, head dims 16 to 256, bfloat16 inputs, ``vmap``, ``shard_map`` over heads,
+and dropout inside the tiles against ``reference`` given the same keep-mask
+(``dropout_hash.keep_mask``). The whole module is skipped, with the reason, where the kernel is
+not built; ``test_switched_off_says_why`` runs in a subprocess with the kernel switched off.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import flax_attention.core as core
+from flax_attention.kernels import dropout_hash, native
+
+#: float32: both sides sum the same products in float32 in another order (errors seen: <= 2e-6).
+ATOL = 1e-5
+
+#: bfloat16: the kernel computes in float32 from the bf16 inputs and rounds once to bf16 at the
+#: end, output and gradients alike: an error of at most half a unit in the last place, i.e.
+#: ``2**-8 * |x|`` relative (bf16 keeps 8 significant bits), plus the float32 ``ATOL``.
+BF16_RTOL = 2.0**-8
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_switched_off_says_why():
+    """``FLAX_ATTENTION_NATIVE=0``: import works, ``available()`` is False with the reason, and
+    a call raises that reason."""
+    script = textwrap.dedent(
+        """
+        import jax.numpy as jnp
+        import flax_attention
+        from flax_attention.kernels import native
+        print(native.available())
+        print(native.why_unavailable())
+        try:
+            native.native_attention(*[jnp.ones((1, 2, 1, 16))] * 3)
+        except RuntimeError as error:
+            print(error)
+        """
+    )
+    env = {**os.environ, "FLAX_ATTENTION_NATIVE": "0", "PYTHONPATH": ROOT}
+    lines = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+    assert lines[0] == "False"
+    assert lines[1] == "switched off by the environment (FLAX_ATTENTION_NATIVE=0)"
+    assert lines[2].endswith(
+        "unavailable: switched off by the environment (FLAX_ATTENTION_NATIVE=0)"
+    )
+
+
+pytestmark_native = pytest.mark.skipif(
+    not native.available(), reason=f"native kernel unavailable: {native.why_unavailable()}"
+)
+
+
+def _inputs(batch, t, s, h, d_k, d_v, mask_shape, seed=0, drop=0.3):
+    """q, k, v, a cotangent, and a mask of ``mask_shape`` (``None``: no mask) with about
+    ``drop`` of its entries False."""
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((*batch, t, h, d_k)).astype(np.float32)
+    k = rng.standard_normal((*batch, s, h, d_k)).astype(np.float32)
+    v = rng.standard_normal((*batch, s, h, d_v)).astype(np.float32)
+    cotangent = rng.standard_normal((*batch, t, h, d_v)).astype(np.float32)
+    mask = None if mask_shape is None else rng.random(mask_shape) > drop
+    return q, k, v, cotangent, mask
+
+
+def _run(fn, q, k, v, cotangent, *extra):
+    def loss(q, k, v, *extra):
+        out = fn(q, k, v, *extra)
+        return (out.astype(jnp.float32) * cotangent).sum(), out
+
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, (0, 1, 2), has_aux=True))(q, k, v, *extra)
+    return {"out": out, "d_query": grads[0], "d_key": grads[1], "d_value": grads[2]}
+
+
+def _reference(mask, is_causal, offset, fill, dropout=None):
+    def fn(q, k, v, *traced):
+        return core.dot_product_attention(
+            q,
+            k,
+            v,
+            mask,
+            is_causal=is_causal,
+            query_offset=traced[0] if traced else offset,
+            fill_value=fill,
+            dropout=dropout,
+            implementation="reference",
+        )[0]
+
+    return fn
+
+
+def _native(mask, is_causal, offset, fill, **kwargs):
+    def fn(q, k, v, *traced):
+        return native.native_attention(
+            q,
+            k,
+            v,
+            mask,
+            is_causal=is_causal,
+            query_offset=traced[0] if traced else offset,
+            fill_value=fill,
+            **kwargs,
+        )
+
+    return fn
+
+
+def _assert_close(expected, actual, what, atol=ATOL, rtol=0.0):
+    for name in expected:
+        e = np.asarray(expected[name], np.float32)
+        a = np.asarray(actual[name], np.float32)
+        assert e.shape == a.shape, f"{what} {name}: shape {a.shape} != {e.shape}"
+        nan = np.isnan(e)
+        assert (np.isnan(a) == nan).all(), f"{what} {name}: NaN where reference has none"
+        err = np.abs(a - e)[~nan]
+        bound = (atol + rtol * np.abs(e))[~nan]
+        worst = float(err.max()) if err.size else 0.0
+        assert (err <= bound).all(), f"{what} {name}: max_abs_err {worst:.3e} > tol"
+
+
+#: (name, batch, t, s, h, d_k, d_v, is_causal, mask shape, offset, fill, block_q)
+CASES = [
+    ("one_token", (2,), 1, 1, 2, 16, 16, True, None, 0, -np.inf, 0),
+    ("odd_7_causal", (2,), 7, 7, 2, 16, 16, True, None, 0, -np.inf, 4),
+    ("tiles_65_causal", (1,), 65, 65, 3, 64, 64, True, None, 0, -np.inf, 16),
+    ("t300_d100", (1,), 300, 300, 2, 100, 100, False, None, 0, -np.inf, 0),
+    ("t300_causal_tiles", (1,), 300, 300, 1, 64, 64, True, None, 0, -np.inf, 64),
+    ("head_dim_256", (1,), 33, 33, 2, 256, 256, True, None, 0, -np.inf, 8),
+    ("two_batch_axes", (2, 3), 9, 9, 2, 16, 16, True, None, 0, -np.inf, 4),
+    ("cross_7_11", (2,), 7, 11, 2, 16, 16, False, None, 0, -np.inf, 4),
+    ("v_dim_differs", (2,), 6, 10, 2, 16, 24, False, None, 0, -np.inf, 0),
+    ("decode_offset", (2,), 3, 16, 2, 16, 16, True, None, 5, -np.inf, 0),
+    ("decode_one_token", (2,), 1, 16, 2, 16, 16, True, None, 9, -np.inf, 0),
+    # the caller's mask in the broadcast forms of the layers, document 001's fill
+    ("mask_ts", (2,), 7, 11, 2, 16, 16, False, (7, 11), 0, -1e10, 4),
+    ("mask_b11s_padding", (2,), 7, 11, 2, 16, 16, False, (2, 1, 1, 11), 0, -1e10, 4),
+    ("mask_h1s", (2,), 7, 11, 2, 16, 16, False, (2, 1, 11), 0, -1e10, 4),
+    ("mask_bhts", (2,), 65, 65, 2, 16, 16, False, (2, 2, 65, 65), 0, -1e10, 16),
+    ("mask_b1t1_rows", (2,), 7, 7, 2, 16, 16, False, (2, 1, 7, 1), 0, -1e10, 4),
+    ("mask_bhts_causal", (2,), 65, 65, 2, 16, 16, True, (2, 2, 65, 65), 0, -1e10, 16),
+    ("mask_bhts_causal_inf", (2,), 65, 65, 2, 16, 16, True, (2, 2, 65, 65), 0, -np.inf, 16),
+    ("mask_offset", (2,), 5, 16, 2, 16, 16, True, (2, 1, 5, 16), 7, -1e10, 4),
+]
+
+
+@pytestmark_native
+@pytest.mark.parametrize(
+    (
+        "name",
+        "batch",
+        "t",
+        "s",
+        "h",
+        "d_k",
+        "d_v",
+        "is_causal",
+        "mask_shape",
+        "offset",
+        "fill",
+        "block_q",
+    ),
+    CASES,
+    ids=[c[0] for c in CASES],
+)
+def test_native_equals_reference(
+    name, batch, t, s, h, d_k, d_v, is_causal, mask_shape, offset, fill, block_q
+):
+    q, k, v, cotangent, mask = _inputs(batch, t, s, h, d_k, d_v, mask_shape)
+    if mask is not None and fill == -np.inf:
+        mask[..., 0] = True  # every row keeps a key: no NaN row here (tested below)
+    expected = _run(_reference(mask, is_causal, offset, fill), q, k, v, cotangent)
+    actual = _run(_native(mask, is_causal, offset, fill, block_q=block_q), q, k, v, cotangent)
+    assert np.isfinite(np.asarray(expected["out"])).all(), f"{name}: reference must be finite"
+    _assert_close(expected, actual, name)
+
+
+@pytestmark_native
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("fill", [-np.inf, -1e10], ids=["inf", "1e10"])
+def test_fully_masked_row(is_causal, fill):
+    """Row 2 masked entirely: ``-1e10`` gives the uniform row over the causally visible keys
+    (equal to ``reference``, gradients too); ``-inf`` gives NaN in that row only, as softmax."""
+    q, k, v, cotangent, _ = _inputs((2,), 7, 7, 2, 16, 16, None)
+    mask = np.ones((1, 1, 7, 7), bool)
+    mask[..., 2, :] = False
+    expected = _run(_reference(mask, is_causal, 0, fill), q, k, v, cotangent)
+    actual = _run(_native(mask, is_causal, 0, fill, block_q=4), q, k, v, cotangent)
+    if fill == -np.inf:
+        out = np.asarray(actual["out"])
+        assert np.isnan(out[:, 2]).all() and np.isfinite(np.delete(out, 2, axis=1)).all()
+        _assert_close({"out": expected["out"]}, {"out": actual["out"]}, "fully masked -inf")
+    else:
+        _assert_close(expected, actual, "fully masked -1e10")
+        if is_causal:  # row 2 sees keys 0..2 at -1e10: their mean
+            np.testing.assert_allclose(np.asarray(actual["out"])[:, 2], v[:, :3].mean(1), atol=ATOL)
+
+
+@pytestmark_native
+def test_traced_offset():
+    """A decode chunk's ``query_offset`` is a traced int32 under ``jit``."""
+    q, k, v, cotangent, _ = _inputs((2,), 3, 16, 2, 16, 16, None)
+    offset = jnp.asarray(6, jnp.int32)
+    expected = _run(_reference(None, True, None, -np.inf), q, k, v, cotangent, offset)
+    actual = _run(_native(None, True, None, -np.inf), q, k, v, cotangent, offset)
+    _assert_close(expected, actual, "traced offset")
+
+
+@pytestmark_native
+def test_bfloat16_inputs():
+    """bf16 in and out, float32 inside: within one bf16 rounding of the float32 reference on
+    the same (bf16-rounded) inputs."""
+    q, k, v, cotangent, _ = _inputs((2,), 65, 65, 2, 64, 64, None)
+    q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
+    # The bf16 output's cotangent reaches the kernel rounded to bf16: give reference the same.
+    cotangent = np.asarray(jnp.asarray(cotangent, jnp.bfloat16).astype(jnp.float32))
+    expected = _run(
+        _reference(None, True, 0, -np.inf), *(x.astype(jnp.float32) for x in (q, k, v)), cotangent
+    )
+    actual = _run(_native(None, True, 0, -np.inf, block_q=16), q, k, v, cotangent)
+    assert all(actual[n].dtype == jnp.bfloat16 for n in actual)
+    _assert_close(expected, actual, "bf16", rtol=BF16_RTOL)
+
+
+@pytestmark_native
+def test_vmap_equals_batch():
+    """``vmap`` over a leading axis (each mapped element runs the kernel) equals one call on the
+    stacked batch, forward and gradients."""
+    q, k, v, cotangent, _ = _inputs((3, 2), 9, 9, 2, 16, 16, None)
+    fn = _native(None, True, 0, -np.inf, block_q=4)
+    expected = _run(fn, q, k, v, cotangent)
+    actual = _run(jax.vmap(fn), q, k, v, cotangent)
+    _assert_close(expected, actual, "vmap")
+
+
+@pytestmark_native
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_dropout_equals_reference_with_the_same_mask(is_causal):
+    """Dropout inside the tiles equals ``reference`` whose dropout applies
+    ``dropout_hash.keep_mask`` (scaled by ``1 / (1 - rate)``), gradients too."""
+    rate, seed = 0.3, 1234
+    q, k, v, cotangent, mask = _inputs((2,), 65, 40, 2, 16, 16, (2, 1, 1, 40))
+    keep = dropout_hash.keep_mask(seed, (2, 2, 65, 40), rate)  # (b, h, t, s)
+
+    def dropout(weights):
+        return jnp.where(keep, weights / (1 - rate), 0.0)
+
+    expected = _run(_reference(mask, is_causal, 0, -1e10, dropout), q, k, v, cotangent)
+    actual = _run(
+        _native(mask, is_causal, 0, -1e10, dropout_rate=rate, dropout_seed=seed, block_q=16),
+        q,
+        k,
+        v,
+        cotangent,
+    )
+    _assert_close(expected, actual, "dropout")
+    clean = _run(_native(mask, is_causal, 0, -1e10, block_q=16), q, k, v, cotangent)
+    assert float(jnp.abs(clean["out"] - actual["out"]).max()) > 0.1  # dropout changed it
+
+
+def test_dropout_hash_keeps_one_minus_rate():
+    """The hash's keep-mask keeps ``1 - rate`` of the weights, independently of the position
+    (per query row and per key column), and a seed changes it."""
+    keep = np.asarray(dropout_hash.keep_mask(7, (2, 3, 256, 256), 0.1))
+    assert abs(keep.mean() - 0.9) < 0.005
+    assert np.abs(keep.mean(axis=(0, 1, 3)) - 0.9).max() < 0.05  # per query
+    assert np.abs(keep.mean(axis=(0, 1, 2)) - 0.9).max() < 0.05  # per key
+    other = np.asarray(dropout_hash.keep_mask(8, (2, 3, 256, 256), 0.1))
+    assert 0.15 < (keep != other).mean() < 0.2  # about 2 * 0.1 * 0.9 differ
+    assert np.asarray(dropout_hash.keep_mask(7, (1, 1, 4, 4), 0.0)).all()
+    with pytest.raises(ValueError, match=r"dropout rate \(1.0\) must be in \[0, 1\)"):
+        dropout_hash.threshold(1.0)
+
+
+@pytestmark_native
+def test_bad_inputs_name_the_argument():
+    x = jnp.ones((1, 4, 1, 16), jnp.float16)
+    with pytest.raises(TypeError, match=r"queries.dtype \(float16\) must be float32 or bfloat16"):
+        native.native_attention(x, x, x)
+    y = jnp.ones((1, 4, 1, 16))
+    with pytest.raises(ValueError, match=r"dropout_seed \(None\) must be given"):
+        native.native_attention(y, y, y, dropout_rate=0.1)
+
+
+@pytestmark_native
+def test_shard_map_over_heads():
+    """Two CPU devices, the heads split between them with ``shard_map``: each shard runs the
+    kernel on its heads; the result equals the unsharded call."""
+    script = textwrap.dedent(
+        """
+        import numpy as np, jax, jax.numpy as jnp
+        from jax.sharding import Mesh, PartitionSpec as P
+        from flax_attention.kernels import native
+        rng = np.random.default_rng(0)
+        q, k, v = (jnp.asarray(rng.standard_normal((2, 33, 4, 16)), jnp.float32) for _ in "qkv")
+        mesh = Mesh(np.array(jax.devices()[:2]), ("model",))
+        spec = P(None, None, "model", None)
+        def attend(q, k, v):
+            return native.native_attention(q, k, v, is_causal=True)
+        sharded = jax.jit(jax.shard_map(attend, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec))
+        out = sharded(q, k, v)
+        print(len(jax.devices()), float(jnp.abs(out - attend(q, k, v)).max()))
+        """
+    )
+    env = {
+        **os.environ,
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        "PYTHONPATH": ROOT,
+    }
+    result = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=False
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    devices, err = result.stdout.split()
+    assert devices == "2" and float(err) == 0.0

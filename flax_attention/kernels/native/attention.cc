@@ -1,0 +1,425 @@
+// Flash-style attention on the CPU for flax_attention, called through jax.ffi.
+//
+// Shape legend (as in flax_attention/core.py): b batch (leading axes flattened), t query tokens,
+// s key tokens, h heads, d features per head (dk for queries and keys, dv for values).
+//
+// Layout: queries (b, t, h, dk), keys (b, s, h, dk), values (b, s, h, dv), all float32 and read
+// in place with strides (row stride h * d): nothing is transposed. The caller's keep-mask is
+// (b|1, h|1, t|1, s|1) booleans, a size-1 axis broadcast (stride 0).
+//
+// Forward, per (batch, head, block of bq queries), one task of XLA's thread pool:
+//   S = Q K^T / sqrt(dk)            one sgemm over the keys the causal mask leaves (kend)
+//   per row: fill the masked scores, row max m, p = exp(s - m), l = sum p  (two fused passes)
+//   O = (P * dropout keep / (1 - rate)) V / l     one sgemm, written to the output rows
+// The rows' m and l are returned apart (not as m + log l): with document 001's -1e10 fill a
+// fully masked row has m = -1e10, where m + log l would round log l away.
+//
+// Backward, per (batch, head), one task; query blocks in order, dK and dV accumulated in the
+// task's own output rows (no two tasks write the same rows):
+//   recompute P = exp(S - m) / l,  dP = dO V^T,  delta = rowsum(dO * O)
+//   dV += (P * D)^T dO,  dS = P * (dP * D - delta) (0 where the caller's mask filled the score),
+//   dQ = dS K / sqrt(dk),  dK += dS^T Q / sqrt(dk)
+// where D is the dropout keep-mask times 1 / (1 - rate), regenerated from the same hash.
+//
+// Masking semantics (those of the reference): the caller's mask fills a score with fill_value
+// (-inf, or document 001's -1e10); a key the causal mask hides stays -inf (it is skipped), so
+// a row the caller masks entirely is uniform over its causally visible keys with -1e10 and NaN
+// (0 / 0, as softmax) with -inf. Filled scores get no gradient.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "cblas.h"  // scipy-openblas32: the symbols carry a scipy_ prefix
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+using F32x4 = ffi::Buffer<ffi::F32, 4>;
+using F32x3 = ffi::Buffer<ffi::F32, 3>;
+using Mask = ffi::Buffer<ffi::PRED, 4>;
+using Offset = ffi::Buffer<ffi::S32, 0>;
+using Seed = ffi::Buffer<ffi::U32, 0>;
+
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// ---- dropout: a counter-based hash of (seed, batch, head, query, key) ------------------------
+// The same function in pure JAX: flax_attention/kernels/dropout_hash.py.
+
+inline uint32_t Fmix32(uint32_t x) {  // murmur3's finaliser
+  x ^= x >> 16;
+  x *= 0x85ebca6bu;
+  x ^= x >> 13;
+  x *= 0xc2b2ae35u;
+  x ^= x >> 16;
+  return x;
+}
+
+inline uint32_t Mix(uint32_t state, uint32_t counter) {
+  return Fmix32(state ^ (counter * 0x9e3779b9u));
+}
+
+// ---- exp: Cephes' expf polynomial, vectorisable; exp(x < -87.3) = 0 exactly (-inf -> 0) ------
+
+inline float Exp(float x) {
+  float clamped = x < -87.3f ? -87.3f : x;
+  clamped = clamped > 88.3f ? 88.3f : clamped;
+  const float n = (clamped * 1.44269504f + 12582912.0f) - 12582912.0f;  // round to nearest
+  const float r = clamped - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return x < -87.3f ? 0.0f : p * scale;
+}
+
+// ---- the problem, as the handlers decode it ------------------------------------------------
+
+struct Attention {
+  int64_t batch, t, s, heads, dk, dv, bq;
+  const float *q, *k, *v;
+  const bool* mask;        // nullptr without a mask
+  int64_t mask_stride[4];  // (b, h, t, s), 0 on a broadcast axis
+  bool causal;
+  float fill, scale;
+  int32_t offset;
+  uint32_t seed, drop_threshold;  // keep a weight where its hash >= drop_threshold
+  float drop_scale;               // 1 / (1 - rate)
+
+  const float* Q(int64_t b, int64_t i, int64_t hd) const { return q + ((b * t + i) * heads + hd) * dk; }
+  const float* K(int64_t b, int64_t j, int64_t hd) const { return k + ((b * s + j) * heads + hd) * dk; }
+  const float* V(int64_t b, int64_t j, int64_t hd) const { return v + ((b * s + j) * heads + hd) * dv; }
+  const bool* MaskRow(int64_t b, int64_t hd, int64_t i) const {
+    return mask + b * mask_stride[0] + hd * mask_stride[1] + i * mask_stride[2];
+  }
+  // Keys query i sees at all: every key, or keys j <= offset + i.
+  int64_t Visible(int64_t i) const {
+    return causal ? std::clamp<int64_t>(int64_t{offset} + i + 1, 0, s) : s;
+  }
+  bool Dropout() const { return drop_threshold != 0; }
+  uint32_t RowHash(int64_t b, int64_t hd, int64_t i) const {
+    return Mix(Mix(Mix(seed, uint32_t(b)), uint32_t(hd)), uint32_t(i));
+  }
+};
+
+// Rows of scores are padded to a multiple of kLanes (the padding holds -inf, so its weight is 0):
+// the row loops below run over whole vectors.
+constexpr int64_t kLanes = 16;
+
+int64_t Padded(int64_t n) { return (n + kLanes - 1) / kLanes * kLanes; }
+
+// Scaled scores of query rows [i0, i0 + rows) against keys [0, kend): S (rows x ld).
+void Scores(const Attention& a, int64_t b, int64_t hd, int64_t i0, int64_t rows, int64_t kend,
+            float* S, int64_t ld) {
+  scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, kend, a.dk, a.scale,
+                    a.Q(b, i0, hd), a.heads * a.dk, a.K(b, 0, hd), a.heads * a.dk, 0.0f, S, ld);
+}
+
+// One row's scores as the softmax sees them: the caller-masked keys of [0, n) filled, the keys
+// from n on (hidden by causality, or padding) -inf.
+void MaskRow(const Attention& a, const bool* keep, float* row, int64_t n, int64_t ld) {
+  if (keep) {
+    const int64_t step = a.mask_stride[3];
+    for (int64_t j = 0; j < n; ++j)
+      if (!keep[j * step]) row[j] = a.fill;
+  }
+  std::fill(row + n, row + ld, kNegInf);
+}
+
+float RowMax(const float* row, int64_t ld) {
+  float m = kNegInf;
+#pragma omp simd reduction(max : m)
+  for (int64_t j = 0; j < ld; ++j) m = row[j] > m ? row[j] : m;
+  return m;
+}
+
+// row <- exp(row - m) * scale; returns the sum of exp(row - m).
+float ExpRow(float* row, int64_t ld, float m, float scale) {
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j < ld; ++j) {
+    const float p = Exp(row[j] - m);
+    sum += p;
+    row[j] = p * scale;
+  }
+  return sum;
+}
+
+// keep[j] <- the dropout factor of key j: 1 / (1 - rate) where the hash keeps it, else 0.
+void DropoutRow(const Attention& a, uint32_t row_hash, float* keep, int64_t ld) {
+  const uint32_t threshold = a.drop_threshold;
+  const float kept = a.drop_scale;
+#pragma omp simd
+  for (int64_t j = 0; j < ld; ++j) keep[j] = Mix(row_hash, uint32_t(j)) >= threshold ? kept : 0.0f;
+}
+
+// ---- a parallel for over XLA's intra-op thread pool; the calling thread works too ----------
+
+template <typename Body>
+void ParallelFor(ffi::ThreadPool& pool, int64_t n, const Body& body) {
+  struct State {
+    std::atomic<int64_t> next{0}, done{0};
+    std::mutex mu;
+    std::condition_variable cv;
+  };
+  auto state = std::make_shared<State>();
+  const Body* fn = &body;  // used only while the caller waits below
+  auto work = [state, fn, n] {
+    for (int64_t item; (item = state->next.fetch_add(1)) < n;) {
+      (*fn)(item);
+      if (state->done.fetch_add(1) + 1 == n) {
+        std::lock_guard<std::mutex> lock(state->mu);
+        state->cv.notify_all();
+      }
+    }
+  };
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work(); });
+  work();
+  std::unique_lock<std::mutex> lock(state->mu);
+  state->cv.wait(lock, [&] { return state->done.load() == n; });
+}
+
+thread_local std::vector<float> scratch;  // per thread: one task's tiles
+
+float* Scratch(size_t size) {
+  if (scratch.size() < size) scratch.resize(size);
+  return scratch.data();
+}
+
+// ---- forward -------------------------------------------------------------------------------
+
+void ForwardBlock(const Attention& a, int64_t b, int64_t hd, int64_t i0, float* out, float* M,
+                  float* L) {
+  const int64_t rows = std::min(a.bq, a.t - i0);
+  const int64_t kend = a.Visible(i0 + rows - 1);  // the block's last row sees the most keys
+  const int64_t ld = Padded(kend);
+  float* O = out + ((b * a.t + i0) * a.heads + hd) * a.dv;
+  float* m_out = M + (b * a.heads + hd) * a.t + i0;
+  float* l_out = L + (b * a.heads + hd) * a.t + i0;
+  if (kend == 0) {  // every key hidden: softmax of an all -inf row, 0 / 0
+    for (int64_t r = 0; r < rows; ++r) {
+      std::fill(O + r * a.heads * a.dv, O + r * a.heads * a.dv + a.dv, std::nanf(""));
+      m_out[r] = 0.0f, l_out[r] = 0.0f;
+    }
+    return;
+  }
+  float* S = Scratch((rows + 1) * ld);
+  float* drop = S + rows * ld;
+  Scores(a, b, hd, i0, rows, kend, S, ld);
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = S + r * ld;
+    MaskRow(a, a.mask ? a.MaskRow(b, hd, i0 + r) : nullptr, row, a.Visible(i0 + r), ld);
+    float m = RowMax(row, ld);
+    if (m == kNegInf) m = 0.0f;  // nothing visible: every p is 0
+    l_out[r] = ExpRow(row, ld, m, 1.0f);
+    m_out[r] = m;
+    if (a.Dropout()) {
+      DropoutRow(a, a.RowHash(b, hd, i0 + r), drop, ld);
+      for (int64_t j = 0; j < ld; ++j) row[j] *= drop[j];
+    }
+  }
+  scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, a.dv, kend, 1.0f, S, ld,
+                    a.V(b, 0, hd), a.heads * a.dv, 0.0f, O, a.heads * a.dv);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float l = l_out[r];
+    for (int64_t c = 0; c < a.dv; ++c) O[r * a.heads * a.dv + c] /= l;  // 0 / 0 = NaN, as softmax
+  }
+}
+
+// ---- backward ------------------------------------------------------------------------------
+
+void BackwardHead(const Attention& a, int64_t b, int64_t hd, const float* out, const float* M,
+                  const float* L, const float* d_out, float* dq, float* dk, float* dv) {
+  const int64_t ldk = a.heads * a.dk, ldv = a.heads * a.dv;
+  float* dK = dk + (b * a.s * a.heads + hd) * a.dk;
+  float* dV = dv + (b * a.s * a.heads + hd) * a.dv;
+  for (int64_t j = 0; j < a.s; ++j) {
+    std::fill(dK + j * ldk, dK + j * ldk + a.dk, 0.0f);
+    std::fill(dV + j * ldv, dV + j * ldv + a.dv, 0.0f);
+  }
+  for (int64_t i0 = 0; i0 < a.t; i0 += a.bq) {
+    const int64_t rows = std::min(a.bq, a.t - i0);
+    const int64_t kend = a.Visible(i0 + rows - 1);
+    float* dQ = dq + ((b * a.t + i0) * a.heads + hd) * a.dk;
+    const float* dO = d_out + ((b * a.t + i0) * a.heads + hd) * a.dv;
+    const float* O = out + ((b * a.t + i0) * a.heads + hd) * a.dv;
+    const float* m = M + (b * a.heads + hd) * a.t + i0;
+    const float* l = L + (b * a.heads + hd) * a.t + i0;
+    if (kend == 0) {  // nothing visible: the forward's rows are NaN, so are their gradients
+      for (int64_t r = 0; r < rows; ++r)
+        std::fill(dQ + r * ldk, dQ + r * ldk + a.dk, std::nanf(""));
+      continue;
+    }
+    const int64_t ld = Padded(kend);
+    float* P = Scratch((2 * rows + 1) * ld);
+    float* dP = P + rows * ld;
+    float* drop = dP + rows * ld;
+    Scores(a, b, hd, i0, rows, kend, P, ld);
+    scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, kend, a.dv, 1.0f, dO, ldv,
+                      a.V(b, 0, hd), ldv, 0.0f, dP, ld);
+    for (int64_t r = 0; r < rows; ++r) {
+      float* p = P + r * ld;
+      float* dp = dP + r * ld;
+      const int64_t n = a.Visible(i0 + r);
+      const bool* keep = a.mask ? a.MaskRow(b, hd, i0 + r) : nullptr;
+      MaskRow(a, keep, p, n, ld);
+      ExpRow(p, ld, m[r], 1.0f / l[r]);  // the forward's weights
+      std::fill(dp + kend, dp + ld, 0.0f);
+      float delta = 0.0f;  // rowsum(dO * O)
+      for (int64_t c = 0; c < a.dv; ++c) delta += dO[r * ldv + c] * O[r * ldv + c];
+      if (a.Dropout()) {
+        DropoutRow(a, a.RowHash(b, hd, i0 + r), drop, ld);
+        for (int64_t j = 0; j < ld; ++j) {
+          dp[j] = p[j] * (dp[j] * drop[j] - delta);  // dS
+          p[j] *= drop[j];                           // P * D, for dV
+        }
+      } else {
+        for (int64_t j = 0; j < ld; ++j) dp[j] = p[j] * (dp[j] - delta);  // dS
+      }
+      if (keep) {  // a filled score is a constant: no gradient flows through it
+        const int64_t step = a.mask_stride[3];
+        for (int64_t j = 0; j < n; ++j)
+          if (!keep[j * step]) dp[j] = 0.0f;
+      }
+    }
+    // dV += (P * D)^T dO;  dQ = dS K * scale;  dK += dS^T Q * scale
+    scipy_cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, kend, a.dv, rows, 1.0f, P, ld,
+                      dO, ldv, 1.0f, dV, ldv);
+    scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, a.dk, kend, a.scale, dP,
+                      ld, a.K(b, 0, hd), ldk, 0.0f, dQ, ldk);
+    scipy_cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, kend, a.dk, rows, a.scale, dP,
+                      ld, a.Q(b, i0, hd), ldk, 1.0f, dK, ldk);
+  }
+}
+
+// ---- decoding the FFI call -----------------------------------------------------------------
+
+ffi::Error Decode(Attention& a, F32x4 q, F32x4 k,
+                  F32x4 v, Mask mask,
+                  Offset offset, Seed seed, bool is_causal,
+                  bool has_mask, float fill_value, uint32_t drop_threshold, float drop_scale,
+                  int64_t block_q) {
+  auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), md = mask.dimensions();
+  a.batch = qd[0], a.t = qd[1], a.heads = qd[2], a.dk = qd[3], a.s = kd[1], a.dv = vd[3];
+  if (kd[0] != a.batch || vd[0] != a.batch || kd[2] != a.heads || vd[2] != a.heads ||
+      kd[3] != a.dk || vd[1] != a.s)
+    return ffi::Error::InvalidArgument("native attention: q, k, v shapes disagree");
+  const int64_t full[4] = {a.batch, a.heads, a.t, a.s};
+  int64_t stride = 1;
+  for (int axis = 3; axis >= 0; --axis) {
+    if (md[axis] != 1 && md[axis] != full[axis])
+      return ffi::Error::InvalidArgument("native attention: mask must be (b|1, h|1, t|1, s|1)");
+    a.mask_stride[axis] = md[axis] == 1 ? 0 : stride;
+    stride *= md[axis];
+  }
+  a.q = q.typed_data(), a.k = k.typed_data(), a.v = v.typed_data();
+  a.mask = has_mask ? mask.typed_data() : nullptr;
+  a.causal = is_causal, a.fill = fill_value, a.offset = *offset.typed_data();
+  a.scale = 1.0f / std::sqrt(float(a.dk));
+  a.seed = *seed.typed_data(), a.drop_threshold = drop_threshold, a.drop_scale = drop_scale;
+  // Query block: the block's scores (bq x s floats) within about 512 KiB, at least 32 rows
+  // (sgemm runs far under its peak on fewer; measured at t4096: 16 rows 1.3x the time of 32).
+  a.bq = block_q > 0 ? block_q : std::clamp<int64_t>(131072 / std::max<int64_t>(a.s, 1), 32, 128);
+  return ffi::Error::Success();
+}
+
+ffi::Error Forward(ffi::ThreadPool pool, F32x4 q, F32x4 k,
+                   F32x4 v, Mask mask,
+                   Offset offset, Seed seed,
+                   ffi::ResultBuffer<ffi::F32, 4> out, ffi::ResultBuffer<ffi::F32, 3> m,
+                   ffi::ResultBuffer<ffi::F32, 3> l, bool is_causal, bool has_mask,
+                   float fill_value, uint32_t drop_threshold, float drop_scale, int64_t block_q) {
+  Attention a;
+  if (auto e = Decode(a, q, k, v, mask, offset, seed, is_causal, has_mask, fill_value,
+                      drop_threshold, drop_scale, block_q);
+      e.failure())
+    return e;
+  const int64_t blocks = (a.t + a.bq - 1) / a.bq;
+  float *o = out->typed_data(), *mm = m->typed_data(), *ll = l->typed_data();
+  ParallelFor(pool, a.batch * a.heads * blocks, [&](int64_t item) {
+    const int64_t bh = item / blocks, i0 = (item % blocks) * a.bq;
+    ForwardBlock(a, bh / a.heads, bh % a.heads, i0, o, mm, ll);
+  });
+  return ffi::Error::Success();
+}
+
+ffi::Error Backward(ffi::ThreadPool pool, F32x4 q, F32x4 k,
+                    F32x4 v, Mask mask,
+                    Offset offset, Seed seed,
+                    F32x4 out, F32x3 m,
+                    F32x3 l, F32x4 d_out,
+                    ffi::ResultBuffer<ffi::F32, 4> dq, ffi::ResultBuffer<ffi::F32, 4> dk,
+                    ffi::ResultBuffer<ffi::F32, 4> dv, bool is_causal, bool has_mask,
+                    float fill_value, uint32_t drop_threshold, float drop_scale,
+                    int64_t block_q) {
+  Attention a;
+  if (auto e = Decode(a, q, k, v, mask, offset, seed, is_causal, has_mask, fill_value,
+                      drop_threshold, drop_scale, block_q);
+      e.failure())
+    return e;
+  ParallelFor(pool, a.batch * a.heads, [&](int64_t bh) {
+    BackwardHead(a, bh / a.heads, bh % a.heads, out.typed_data(), m.typed_data(),
+                 l.typed_data(), d_out.typed_data(), dq->typed_data(), dk->typed_data(),
+                 dv->typed_data());
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FlaxAttentionForward, Forward,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<F32x4>()  // q
+                                  .Arg<F32x4>()  // k
+                                  .Arg<F32x4>()  // v
+                                  .Arg<Mask>()  // mask
+                                  .Arg<Offset>()  // query_offset
+                                  .Arg<Seed>()  // dropout seed
+                                  .Ret<F32x4>()  // out
+                                  .Ret<F32x3>()  // m
+                                  .Ret<F32x3>()  // l
+                                  .Attr<bool>("is_causal")
+                                  .Attr<bool>("has_mask")
+                                  .Attr<float>("fill_value")
+                                  .Attr<uint32_t>("drop_threshold")
+                                  .Attr<float>("drop_scale")
+                                  .Attr<int64_t>("block_q"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FlaxAttentionBackward, Backward,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<F32x4>()  // q
+                                  .Arg<F32x4>()  // k
+                                  .Arg<F32x4>()  // v
+                                  .Arg<Mask>()  // mask
+                                  .Arg<Offset>()  // query_offset
+                                  .Arg<Seed>()  // dropout seed
+                                  .Arg<F32x4>()  // out
+                                  .Arg<F32x3>()  // m
+                                  .Arg<F32x3>()  // l
+                                  .Arg<F32x4>()  // d_out
+                                  .Ret<F32x4>()  // dq
+                                  .Ret<F32x4>()  // dk
+                                  .Ret<F32x4>()  // dv
+                                  .Attr<bool>("is_causal")
+                                  .Attr<bool>("has_mask")
+                                  .Attr<float>("fill_value")
+                                  .Attr<uint32_t>("drop_threshold")
+                                  .Attr<float>("drop_scale")
+                                  .Attr<int64_t>("block_q"));
