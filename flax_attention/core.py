@@ -223,14 +223,15 @@ def dot_product_attention(
     # out like the queries (heads, or a single head's features, over "model"). The mask's arrays
     # cross as arguments.
     def run_auto(queries, keys, values, keep, query_offset):
-        return run(
-            queries, keys, values, attention_mask.replace(keep=keep, query_offset=query_offset)
-        )
+        attention_mask_inside = attention_mask.replace(keep=keep, query_offset=query_offset)
+        context_vec, attn_weights = run(queries, keys, values, attention_mask_inside)
+        return (context_vec, attn_weights) if need_weights else context_vec
 
     out_sharding = _out_shardings(queries, values, need_weights)
-    return jax.sharding.auto_axes(run_auto, out_sharding=out_sharding)(
+    out = jax.sharding.auto_axes(run_auto, out_sharding=out_sharding)(
         queries, keys, values, attention_mask.keep, attention_mask.query_offset
     )
+    return out if need_weights else (out, None)
 
 
 def _dispatch(implementation, dropout, precision, blocks, queries, keys, values, attention_mask):
@@ -280,5 +281,6 @@ def _out_shardings(queries, values, need_weights):
     queries (``d_v`` like the values'), the weights ``(..., h, t, s)`` like the queries' heads."""
     q, v = _spec(queries), _spec(values)
     context = PartitionSpec(*q[:-1], v[-1])
-    weights = PartitionSpec(*q[:-3], q[-2], q[-3], None) if need_weights else None
-    return context, weights
+    if not need_weights:
+        return context
+    return context, PartitionSpec(*q[:-3], q[-2], q[-3], None)

@@ -23,9 +23,9 @@ from flax import nnx
 
 import flax_attention as fa
 import flax_attention.core as core
-from flax_attention.kernels import blocked
 from conformance_tests import harness, spec
 from conformance_tests.tolerances import tolerance
+from flax_attention.kernels import blocked
 
 CPU = harness.backends(["cpu"])[0]
 FAST = ("xla", "blocked")
