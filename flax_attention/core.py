@@ -215,26 +215,32 @@ def dot_product_attention(
         fill_value=fill_value,
         dtype=jnp.result_type(queries, keys),  # the scores' dtype
     )
-    run = functools.partial(_dispatch, implementation, dropout, precision, block_sizes)
+    run = functools.partial(_dispatch, implementation, precision, block_sizes)
     if explicit_mesh() is None:
-        return run(queries, keys, values, attention_mask)
+        return run(dropout, queries, keys, values, attention_mask)
 
     # Explicit mesh axes: the kernels run with Auto axes inside, their results come back laid
-    # out like the queries (heads, or a single head's features, over "model"). The mask's arrays
-    # cross as arguments.
-    def run_auto(queries, keys, values, keep, query_offset):
-        attention_mask_inside = attention_mask.replace(keep=keep, query_offset=query_offset)
-        context_vec, attn_weights = run(queries, keys, values, attention_mask_inside)
+    # out like the queries (heads, or a single head's features, over "model"). Arrays cross as
+    # arguments: the mask's, and the dropout key, drawn here from the layer's stream (the same
+    # draw the dropout would make inside).
+    dropout_key = None
+    if isinstance(dropout, nnx.Dropout) and _dropout_active(dropout):
+        dropout_key = dropout.rngs()
+
+    def run_auto(queries, keys, values, keep, query_offset, dropout_key):
+        inside = attention_mask.replace(keep=keep, query_offset=query_offset)
+        drop = dropout if dropout_key is None else functools.partial(dropout, rngs=dropout_key)
+        context_vec, attn_weights = run(drop, queries, keys, values, inside)
         return (context_vec, attn_weights) if need_weights else context_vec
 
     out_sharding = _out_shardings(queries, values, need_weights)
     out = jax.sharding.auto_axes(run_auto, out_sharding=out_sharding)(
-        queries, keys, values, attention_mask.keep, attention_mask.query_offset
+        queries, keys, values, attention_mask.keep, attention_mask.query_offset, dropout_key
     )
     return out if need_weights else (out, None)
 
 
-def _dispatch(implementation, dropout, precision, blocks, queries, keys, values, attention_mask):
+def _dispatch(implementation, precision, blocks, dropout, queries, keys, values, attention_mask):
     """Run ``implementation``: ``(context_vec, attn_weights or None)``."""
     match implementation:
         case "reference":

@@ -282,6 +282,35 @@ def test_decode_equals_one_device(name, shape, kind):
     assert_close(expected, actual, f"{name} decode on {_id(shape)} ({kind})")
 
 
+@pytest.mark.parametrize("kind", AXIS_TYPES)
+@pytest.mark.parametrize("name", MULTI_HEAD)
+def test_train_mode_dropout_equals_one_device(name, kind):
+    """Dropout active (rate 0.5): the sharded layer draws the same dropout mask as on one
+    device (the same key from the layer's stream; JAX's random bits do not depend on the
+    sharding), so the outputs agree too."""
+    make = {
+        "MultiHeadAttention": lambda: fa.MultiHeadAttention(
+            6, 16, T, 0.5, num_heads=8, rngs=nnx.Rngs(0)
+        ),
+        "MultiHeadedAttention": lambda: fa.MultiHeadedAttention(8, 16, 0.5, rngs=nnx.Rngs(1)),
+    }[name]
+    inputs = make_inputs(name)
+    n = LAYERS[name][1]
+    run = nnx.jit(lambda m, xs, extra: m(*xs, *extra))
+    module = make()
+    expected = np.asarray(run(nnx.clone(module), inputs[:n], inputs[n:]))
+    mesh = make_mesh((2, 4), kind=kind)
+    sharded = fa.shard(nnx.clone(module), mesh)
+    with jax.set_mesh(mesh):
+        xs = shard_inputs(inputs, mesh)
+        actual = np.asarray(run(sharded, xs[:n], xs[n:]))
+    eval_mode = make()
+    eval_mode.eval()
+    dropped = np.abs(expected - np.asarray(eval_mode(*inputs))).max()
+    assert dropped > 1e-2, "dropout changed nothing"
+    assert_close({"out": expected}, {"out": actual}, f"{name} train mode on 2x4 ({kind})")
+
+
 @pytest.mark.parametrize("names", [("data",), ("model",)], ids=_id)
 def test_a_mesh_without_model_or_data_counts_it_as_size_one(names):
     name = "MultiHeadAttention"
