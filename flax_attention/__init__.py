@@ -4,7 +4,8 @@ Same class names and positional arguments as the documents (and ``torch_referenc
 keyword-only ``rngs`` and the Flax options ``dtype``, ``param_dtype``, ``precision``. Weights
 cross from torch with ``load_state_dict``/``load_file`` and back with ``state_dict``/
 ``save_file``. The attention math lives once, in ``flax_attention.core``. ``shard(layer, mesh)``
-places a layer on a device mesh (``flax_attention.sharding``).
+places a layer on a device mesh (``flax_attention.sharding``; the mesh-axis vocabulary is
+``flax_attention.axes``). The faster attention kernels live in ``flax_attention.kernels``.
 """
 
 from flax_attention.annotated import MultiHeadedAttention, ProjectedKV, attention, clones
@@ -17,6 +18,8 @@ from flax_attention.causal import (
 )
 from flax_attention.core import (
     IMPLEMENTATIONS,
+    AttentionMask,
+    BlockSizes,
     causal_mask,
     dot_product_attention,
     masked_softmax,
@@ -57,6 +60,8 @@ __all__ = [
     "clones",
     # Flax only: the attention core, decoding and the weight bridge.
     "IMPLEMENTATIONS",
+    "AttentionMask",
+    "BlockSizes",
     "causal_mask",
     "masked_softmax",
     "dot_product_attention",

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from flax_attention.sharding import LinearAxes
+from flax_attention.axes import LinearAxes
 
 __all__ = [
     "linear_factory",
@@ -65,7 +65,7 @@ def set_linear_axes(linear: nnx.Linear, axes: LinearAxes) -> nnx.Linear:
 def linear_factory(*, dtype, param_dtype, precision, rngs: nnx.Rngs):
     """``linear(d_in, d_out, use_bias=..., axes=...)``: an ``nnx.Linear`` with torch's
     initialisers and the layer's Flax options, so every sublayer gets ``dtype``, ``param_dtype``
-    and ``precision``. ``axes`` (a ``sharding.LinearAxes``, e.g. ``TO_HEADS`` or ``FROM_HEADS``)
+    and ``precision``. ``axes`` (an ``axes.LinearAxes``, e.g. ``TO_HEADS`` or ``FROM_HEADS``)
     becomes the kernel's and bias's partition metadata."""
 
     def linear(

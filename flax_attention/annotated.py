@@ -23,8 +23,14 @@ from flax_attention._checks import (
     check_same,
 )
 from flax_attention._init import linear_factory, set_linear_axes
-from flax_attention.core import check_implementation, dot_product_attention
-from flax_attention.sharding import FROM_HEADS, HEADS, TO_HEADS, constrain
+from flax_attention.axes import FROM_HEADS, HEADS, TO_HEADS, constrain, out_sharding_like
+from flax_attention.core import (
+    BlockSizes,
+    Implementation,
+    check_block_sizes,
+    check_implementation,
+    dot_product_attention,
+)
 
 __all__ = ["MultiHeadedAttention", "attention", "clones"]  # as torch_reference.annotated
 
@@ -54,8 +60,29 @@ class MultiHeadedAttention(nnx.Module):
     ``self.attention_score`` (an ``AttentionScore`` variable, ``None`` before the first call).
 
     As in the document, the four projections are ``clones`` of one ``Linear``: they start equal.
+    ``torch_reference/annotated.py`` is the document's code; its ``forward`` and ``attention``
+    map to ``__call__`` here:
 
-    Flax options: ``implementation`` (``flax_attention.core``) and ``keep_attention_score``:
+    ===================================================  ========================================
+    document (``torch_reference/annotated.py``)           here
+    ===================================================  ========================================
+    ``mask.unsqueeze(1)``                                 ``mask[:, None]``, then ``mask != 0``
+    1) ``proj_weight(x).view(b, -1, h, d_k)``             ``project_kv`` and ``_split_heads``;
+    ``.transpose(1, 2)``                                  no transpose: the core takes
+                                                          ``(b, t, h, d)``
+    2) ``attention(query, key, value, mask, dropout)``:   ``dot_product_attention`` (core):
+    ``scores = query @ key.transpose(-2, -1)``            its scores
+    ``/ math.sqrt(d_k)``, ``softmax(scores, dim=-1)``     ``masked_softmax`` (float32 or wider)
+    ``scores.masked_fill(mask == 0, -1e10)``              ``fill_value=MASK_FILL_VALUE``
+    ``p_attn = dropout(p_attn)``                          ``dropout=self.dropout``
+    ``torch.matmul(p_attn, value)``                       the core's weighted sum
+    ``self.attention_score = ...``                        ``AttentionScore`` (if kept)
+    3) ``out.transpose(1, 2).contiguous().view(...)``     ``out.reshape(b, t, d_model)``
+    4) ``self.proj_weights[-1](out)``                     the same
+    ===================================================  ========================================
+
+    Flax options: ``implementation`` and ``block_sizes`` (``flax_attention.core``) and
+    ``keep_attention_score``:
     ``True`` (the document) needs the weights, so ``implementation=None`` runs ``reference``;
     ``False`` leaves ``attention_score`` ``None`` and lets ``None`` pick a faster kernel. A
     decoder attending to a fixed memory projects it once, ``kv = mha.project_kv(key, value)``,
@@ -68,7 +95,8 @@ class MultiHeadedAttention(nnx.Module):
         d_model: int,
         dropout: float = 0.1,
         *,
-        implementation: str | None = None,
+        implementation: Implementation | None = None,
+        block_sizes: BlockSizes | None = None,
         keep_attention_score: bool = True,
         dtype=None,
         param_dtype=jnp.float32,
@@ -80,6 +108,7 @@ class MultiHeadedAttention(nnx.Module):
         check_dropout(dropout)
         check_divisible("d_model", d_model, num_heads)
         check_implementation(implementation)
+        check_block_sizes(block_sizes)
         if implementation not in (None, "reference") and keep_attention_score:
             raise ValueError(
                 f"implementation ({implementation!r}) must be 'reference' or None while "
@@ -89,6 +118,7 @@ class MultiHeadedAttention(nnx.Module):
         self.k_dim = d_model // num_heads
         self.num_heads = num_heads
         self.implementation = implementation
+        self.block_sizes = block_sizes
         self.keep_attention_score = keep_attention_score
         self.precision = precision
         linear = linear_factory(
@@ -98,6 +128,10 @@ class MultiHeadedAttention(nnx.Module):
         set_linear_axes(self.proj_weights[-1], FROM_HEADS)  # W^O reduces over the heads
         self.attention_score = nnx.data(None)
         self.dropout = nnx.Dropout(dropout, rngs=rngs)
+
+    def model_axis_sizes(self) -> dict[str, int]:
+        """What ``flax_attention.shard`` splits over ``model``: the heads."""
+        return {"num_heads": self.num_heads}
 
     def _split_heads(self, proj_weight, x):
         x = proj_weight(x).reshape(*x.shape[:-1], self.num_heads, self.k_dim)  # (b, t, h, d)
@@ -137,6 +171,7 @@ class MultiHeadedAttention(nnx.Module):
             precision=self.precision,
             implementation=self.implementation,
             need_weights=self.keep_attention_score,
+            block_sizes=self.block_sizes,
         )
         if self.keep_attention_score:
             self.attention_score = AttentionScore(attention_score)
@@ -144,8 +179,8 @@ class MultiHeadedAttention(nnx.Module):
         # 3) "Concat" output, (b, t, d_model)
         out = out.reshape(*out.shape[:-2], d_model)
 
-        # 4) Apply W^O to get the final output
-        return self.proj_weights[-1](out)
+        # 4) Apply W^O to get the final output (on an explicit mesh, laid out like query)
+        return self.proj_weights[-1](out, out_sharding=out_sharding_like(out))
 
 
 def clones(module, N):

@@ -7,9 +7,13 @@ A layer with a cache keeps, as ``nnx.Cache`` variables (state, not parameters):
   the wrapper keeps one cache per head), zeros beyond ``cache_index``;
 - ``cache_index``: int32 scalar, how many tokens the cache holds (the position of the next one).
 
+The layer declares all three in ``__init__`` as ``None`` and ``init_cache`` fills them from
+``new_cache``; ``__call__(x, decode=True)`` passes them to ``append``. Nothing else is assumed
+of the layer: this module knows the variables, not the layers.
+
 The cached keys and values carry partition metadata like the keys and values themselves
-(``sharding.HEADS``; ``sharding.ONE_HEAD`` for a single head): ``flax_attention.shard`` places
-them, and ``init_cache`` on a layer already sharded places them on its mesh.
+(``axes.HEADS``; ``axes.ONE_HEAD`` for a single head): ``flax_attention.shard`` places them, and
+``init_cache`` on a layer already sharded places them on its mesh (``place_like_parameters``).
 
 ``layer(x, decode=True)`` appends ``x``'s ``n >= 1`` tokens (a prompt chunk or one step) at
 ``cache_index`` and attends from them to every cached token at or before their own position, so
@@ -22,99 +26,109 @@ from __future__ import annotations
 
 import functools
 import numbers
+from typing import Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from flax_attention._checks import check_positive_int
-from flax_attention.sharding import HEADS, ONE_HEAD, expand_axes, place_like_parameters
+from flax_attention.axes import HEADS, ONE_HEAD, expand_axes
 
-__all__ = ["DecodeCacheMixin", "generate"]
+__all__ = ["Decoder", "append", "generate", "new_cache", "poison_unless"]
 
 
-class DecodeCacheMixin:
-    """``init_cache`` and the cache update, for layers with ``context_length`` and
-    ``_cache_heads()`` (the ``(h, d)`` of their keys and values)."""
+@runtime_checkable
+class Decoder(Protocol):
+    """A layer with a decode cache: the three variables (``None`` until ``init_cache``) and
+    ``init_cache``. ``CausalAttention`` and ``MultiHeadAttention`` are decoders; the wrapper
+    holds one per head."""
 
-    context_length: int
+    cached_key: nnx.Cache | None
+    cached_value: nnx.Cache | None
+    cache_index: nnx.Cache | None
 
-    def init_cache(self, batch_size, max_length: int | None = None, dtype=None) -> None:
-        """Allocate an empty decode cache for ``batch_size`` sequences of ``max_length`` tokens.
+    def init_cache(self, batch_size, max_length: int | None = None, dtype=None) -> None: ...
 
-        Args:
-          batch_size: an int, or a tuple of ints for several leading batch axes.
-          max_length: tokens the cache holds; defaults to (and may not exceed) ``context_length``.
-          dtype: of the cached keys and values; defaults to the layer's computation dtype.
-        """
-        batch_shape = (batch_size,) if isinstance(batch_size, numbers.Integral) else batch_size
-        if not isinstance(batch_shape, tuple) or not batch_shape:
-            raise TypeError(
-                f"batch_size ({batch_size!r}) must be an int or a non-empty tuple of ints"
-            )
-        for size in batch_shape:
-            check_positive_int("batch_size", size)
-        max_length = self.context_length if max_length is None else max_length
-        check_positive_int("max_length", max_length)
-        if max_length > self.context_length:
-            raise ValueError(
-                f"max_length ({max_length}) must not exceed context_length ({self.context_length})"
-            )
-        heads, head_dim = self._cache_heads()
-        dtype = dtype or self._compute_dtype()
-        shape = (*batch_shape, max_length, heads, head_dim)  # (..., max_length, h, d)
-        # Sharded like the keys and values: batch over "data", heads (one head: its features)
-        # over "model"; on a sharded layer, placed at once on its parameters' mesh.
-        axes = expand_axes(HEADS if heads > 1 else ONE_HEAD, len(shape))
-        cache = functools.partial(nnx.Cache, out_sharding=axes, eager_sharding=False)
-        self.cached_key = cache(jnp.zeros(shape, dtype))
-        self.cached_value = cache(jnp.zeros(shape, dtype))
-        self.cache_index = nnx.Cache(jnp.array(0, jnp.int32))
-        place_like_parameters(self, "cached_key", "cached_value", "cache_index")
 
-    def _compute_dtype(self):
-        dtype = getattr(self.W_query, "dtype", None)
-        return dtype or self.W_query.kernel.dtype
+def new_cache(
+    batch_size, max_length: int | None, *, context_length: int, heads: int, head_dim: int, dtype
+) -> dict[str, nnx.Cache]:
+    """An empty cache for ``batch_size`` sequences of ``max_length`` tokens, by variable name.
 
-    def _append_to_cache(self, keys, values):
-        """Write ``keys``/``values`` ``(..., n, h, d)`` at ``cache_index``.
+    Args:
+      batch_size: an int, or a tuple of ints for several leading batch axes.
+      max_length: tokens the cache holds; ``None`` means (and it may not exceed) the layer's
+        ``context_length``.
+      heads, head_dim: the ``(h, d)`` of the layer's keys and values.
+      dtype: of the cached keys and values.
 
-        Returns the whole cache ``(..., max_length, h, d)`` twice, the position of the first new
-        token (the queries' offset) and whether the tokens fitted (always ``True`` outside jit).
-        """
-        if not hasattr(self, "cache_index"):
-            raise ValueError(
-                "decode (True) needs a decode cache (call init_cache(batch_size) first)"
-            )
-        cache_shape = self.cached_key.shape
-        num_new, max_length = keys.shape[-3], cache_shape[-3]
-        if keys.shape[:-3] != cache_shape[:-3]:
-            raise ValueError(
-                f"x's batch shape ({keys.shape[:-3]}) must equal the cache's batch shape "
-                f"({cache_shape[:-3]}) (init_cache(batch_size))"
-            )
-        if num_new > max_length:  # static: too long at any position, inside jit too
-            raise ValueError(
-                f"num_tokens ({num_new}) must not exceed the cache's max_length ({max_length})"
-            )
-        index = self.cache_index[...]
-        if not isinstance(index, jax.core.Tracer) and int(index) + num_new > max_length:
-            raise ValueError(
-                f"cache_index + num_tokens ({int(index)} + {num_new}) must not exceed the "
-                f"cache's max_length ({max_length}) (init_cache(..., max_length) or a new cache)"
-            )
-        fits = index + num_new <= max_length
+    Returns ``{"cached_key", "cached_value", "cache_index"}``: zeros ``(..., max_length, h, d)``
+    twice, with the keys' and values' partition metadata (``HEADS``, ``ONE_HEAD`` for one head),
+    and an int32 zero.
+    """
+    batch_shape = (batch_size,) if isinstance(batch_size, numbers.Integral) else batch_size
+    if not isinstance(batch_shape, tuple) or not batch_shape:
+        raise TypeError(f"batch_size ({batch_size!r}) must be an int or a non-empty tuple of ints")
+    for size in batch_shape:
+        check_positive_int("batch_size", size)
+    max_length = context_length if max_length is None else max_length
+    check_positive_int("max_length", max_length)
+    if max_length > context_length:
+        raise ValueError(
+            f"max_length ({max_length}) must not exceed context_length ({context_length})"
+        )
+    shape = (*batch_shape, max_length, heads, head_dim)  # (..., max_length, h, d)
+    # Sharded like the keys and values: batch over "data", heads (one head: its features) over
+    # "model".
+    axes = expand_axes(HEADS if heads > 1 else ONE_HEAD, len(shape))
+    cache = functools.partial(nnx.Cache, out_sharding=axes, eager_sharding=False)
+    return {
+        "cached_key": cache(jnp.zeros(shape, dtype)),
+        "cached_value": cache(jnp.zeros(shape, dtype)),
+        "cache_index": nnx.Cache(jnp.array(0, jnp.int32)),
+    }
 
-        def write(cache, new):  # only the new tokens' slots; the old ones again if no fit
-            axis = cache.ndim - 3
-            old = jax.lax.dynamic_slice_in_dim(cache, index, num_new, axis)
-            new = jnp.where(fits, new.astype(cache.dtype), old)
-            return jax.lax.dynamic_update_slice_in_dim(cache, new, index, axis)
 
-        self.cached_key[...] = write(self.cached_key[...], keys)
-        self.cached_value[...] = write(self.cached_value[...], values)
-        self.cache_index[...] = jnp.where(fits, index + num_new, index)
-        return self.cached_key[...], self.cached_value[...], index, fits
+def append(cached_key, cached_value, cache_index, keys, values):
+    """Write ``keys``/``values`` ``(..., n, h, d)`` into the cache at ``cache_index``.
+
+    The three ``nnx.Cache`` variables are updated in place (``None`` for a layer without a cache
+    raises). Returns the whole cache ``(..., max_length, h, d)`` twice, the position of the first
+    new token (the queries' offset) and whether the tokens fitted (always ``True`` outside jit;
+    inside, an overflow leaves the cache as it was and the caller poisons its output).
+    """
+    if cached_key is None or cached_value is None or cache_index is None:
+        raise ValueError("decode (True) needs a decode cache (call init_cache(batch_size) first)")
+    cache_shape = cached_key.shape
+    num_new, max_length = keys.shape[-3], cache_shape[-3]
+    if keys.shape[:-3] != cache_shape[:-3]:
+        raise ValueError(
+            f"x's batch shape ({keys.shape[:-3]}) must equal the cache's batch shape "
+            f"({cache_shape[:-3]}) (init_cache(batch_size))"
+        )
+    if num_new > max_length:  # static: too long at any position, inside jit too
+        raise ValueError(
+            f"num_tokens ({num_new}) must not exceed the cache's max_length ({max_length})"
+        )
+    index = cache_index[...]
+    if not isinstance(index, jax.core.Tracer) and int(index) + num_new > max_length:
+        raise ValueError(
+            f"cache_index + num_tokens ({int(index)} + {num_new}) must not exceed the "
+            f"cache's max_length ({max_length}) (init_cache(..., max_length) or a new cache)"
+        )
+    fits = index + num_new <= max_length
+
+    def write(cache, new):  # only the new tokens' slots; the old ones again if no fit
+        axis = cache.ndim - 3
+        old = jax.lax.dynamic_slice_in_dim(cache, index, num_new, axis)
+        new = jnp.where(fits, new.astype(cache.dtype), old)
+        return jax.lax.dynamic_update_slice_in_dim(cache, new, index, axis)
+
+    cached_key[...] = write(cached_key[...], keys)
+    cached_value[...] = write(cached_value[...], values)
+    cache_index[...] = jnp.where(fits, index + num_new, index)
+    return cached_key[...], cached_value[...], index, fits
 
 
 def poison_unless(fits, x):
@@ -154,8 +168,8 @@ def generate(module, prompt, num_steps: int, next_input=_identity):
     Returns ``(..., num_steps + 1, d_out)``: the prompt's last output, then one per step.
     """
     check_positive_int("num_steps", num_steps)
-    layers = [node for _, node in nnx.iter_graph(module) if isinstance(node, DecodeCacheMixin)]
-    if not layers or not all(hasattr(layer, "cache_index") for layer in layers):
+    layers = [node for _, node in nnx.iter_graph(module) if isinstance(node, Decoder)]
+    if not layers or any(layer.cache_index is None for layer in layers):
         raise ValueError("module must have a decode cache (call init_cache(batch_size) first)")
     for layer in layers:
         index, max_length = int(layer.cache_index[...]), layer.cached_key.shape[-3]

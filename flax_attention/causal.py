@@ -11,17 +11,26 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from flax_attention import cache as decode_cache
 from flax_attention._checks import check_dropout, check_num_tokens, check_positive_int
 from flax_attention._init import linear_factory
 from flax_attention._inputs import check_input
-from flax_attention.cache import DecodeCacheMixin, poison_unless
+from flax_attention.axes import (
+    ONE_HEAD,
+    TO_HEADS,
+    constrain,
+    out_sharding_like,
+    place_like_parameters,
+)
 from flax_attention.core import (
+    BlockSizes,
+    Implementation,
     causal_mask,
+    check_block_sizes,
     check_implementation,
     dot_product_attention,
     masked_softmax,
 )
-from flax_attention.sharding import ONE_HEAD, TO_HEADS, constrain
 
 __all__ = [
     "causal_attn_weights_renormalized",
@@ -53,60 +62,84 @@ def causal_attn_weights_masked_fill(attn_scores, d_key):
     return masked_softmax(attn_scores, d_key, causal_mask(sequence_length, sequence_length))
 
 
-def check_causal_args(d_in, d_out, context_length, dropout, implementation=None):
+def check_causal_args(d_in, d_out, context_length, dropout, implementation=None, block_sizes=None):
     check_positive_int("d_in", d_in)
     check_positive_int("d_out", d_out)
     check_positive_int("context_length", context_length)
     check_dropout(dropout)
     check_implementation(implementation)
+    check_block_sizes(block_sizes)
 
 
-class CausalMaskMixin(DecodeCacheMixin):
-    """The documents' ``mask`` buffer, derived from ``context_length`` rather than stored, the
-    decode cache, and the attention call every causal layer shares.
-
-    ``mask`` is ``triu(ones(context_length, context_length), diagonal=1)`` as float32, exactly
-    the torch buffer; ``state_dict`` exports it and ``load_state_dict`` checks it.
-    """
-
-    context_length: int
-
-    @property
-    def mask(self) -> np.ndarray:
-        ones = np.ones((self.context_length, self.context_length), np.float32)
-        return np.triu(ones, k=1)
-
-    def _check_causal_input(self, x):
-        check_input("x", x, self.d_in)
-        check_num_tokens(x.shape[-2], self.context_length)
-
-    def _causal_attention(self, queries, keys, values, decode):
-        """Causal attention of ``(..., t, h, d)`` projections through the core; with ``decode``
-        the new keys and values go into the cache first and the queries attend to all of it."""
-        offset, fits = 0, None
-        if decode:
-            keys, values, offset, fits = self._append_to_cache(keys, values)
-        context_vec, _ = dot_product_attention(
-            queries,
-            keys,
-            values,
-            is_causal=True,
-            query_offset=offset,
-            dropout=self.dropout,
-            precision=self.precision,
-            implementation=self.implementation,
-            need_weights=False,
-        )  # (..., t, h, d)
-        return context_vec if fits is None else poison_unless(fits, context_vec)
+def documents_mask(context_length: int) -> np.ndarray:
+    """The documents' ``mask`` buffer: ``triu(ones(context_length, context_length), diagonal=1)``
+    as float32, exactly the torch buffer (``state_dict`` exports it, ``load_state_dict`` checks
+    it). The Flax layers derive it rather than store it; attention uses ``is_causal=True``."""
+    ones = np.ones((context_length, context_length), np.float32)
+    return np.triu(ones, k=1)
 
 
-class CausalAttention(CausalMaskMixin, nnx.Module):
+def check_causal_input(x, d_in, context_length):
+    check_input("x", x, d_in)
+    check_num_tokens(x.shape[-2], context_length)
+
+
+def causal_attention(
+    queries,
+    keys,
+    values,
+    *,
+    cache: tuple[nnx.Cache | None, nnx.Cache | None, nnx.Cache | None] | None,
+    dropout,
+    precision,
+    implementation,
+    block_sizes,
+):
+    """Causal attention of ``(..., t, h, d)`` projections through the core, as every causal
+    layer runs it. With ``cache`` (the layer's ``(cached_key, cached_value, cache_index)``, for
+    ``decode=True``) the new keys and values go into the cache first and the queries attend to
+    all of it from their own position; an overflow inside jit gives NaN."""
+    offset, fits = 0, None
+    if cache is not None:
+        keys, values, offset, fits = decode_cache.append(*cache, keys, values)
+    context_vec, _ = dot_product_attention(
+        queries,
+        keys,
+        values,
+        is_causal=True,
+        query_offset=offset,
+        dropout=dropout,
+        precision=precision,
+        implementation=implementation,
+        need_weights=False,
+        block_sizes=block_sizes,
+    )  # (..., t, h, d)
+    return context_vec if fits is None else decode_cache.poison_unless(fits, context_vec)
+
+
+class CausalAttention(nnx.Module):
     """Documents 000, 002 and 004, ``CausalAttention``: one head, ``-inf`` above the diagonal.
 
     ``x`` ``(..., num_tokens, d_in)`` (the documents use ``(b, num_tokens, d_in)``) ->
-    ``(..., num_tokens, d_out)``. ``implementation`` picks the attention core's kernel
+    ``(..., num_tokens, d_out)``. ``torch_reference/causal.py`` is the documents' code; its
+    ``forward`` maps to ``__call__`` here line by line:
+
+    =======================================================  ====================================
+    document (``torch_reference/causal.py``)                  here
+    =======================================================  ====================================
+    ``keys = self.W_key(x)`` (and queries, values)            the same, as ``(..., t, 1, d_out)``
+    ``attn_scores = queries @ keys.transpose(1, 2)``          ``dot_product_attention`` (core)
+    ``attn_scores.masked_fill_(self.mask.bool()[:t, :t],      ``is_causal=True``: ``-inf`` where
+    -torch.inf)``                                             ``causal_mask`` is ``False``
+    ``torch.softmax(attn_scores / keys.shape[-1] ** 0.5)``    ``masked_softmax`` (float32 or wider)
+    ``attn_weights = self.dropout(attn_weights)``             ``dropout=self.dropout``
+    ``context_vec = attn_weights @ values``                   the core's weighted sum
+    =======================================================  ====================================
+
+    The ``mask`` buffer is a property (``documents_mask``), exported and checked by the weight
+    bridge. Flax options: ``implementation`` and ``block_sizes`` pick the core's kernel
     (``flax_attention.core``); ``init_cache`` and ``decode=True`` decode token by token
-    (``flax_attention.cache``).
+    (``flax_attention.cache``); the cache's variables are ``None`` until ``init_cache``.
     """
 
     def __init__(
@@ -117,17 +150,19 @@ class CausalAttention(CausalMaskMixin, nnx.Module):
         dropout: float,
         qkv_bias: bool = False,
         *,
-        implementation: str | None = None,
+        implementation: Implementation | None = None,
+        block_sizes: BlockSizes | None = None,
         dtype=None,
         param_dtype=jnp.float32,
         precision=None,
         rngs: nnx.Rngs,
     ):
-        check_causal_args(d_in, d_out, context_length, dropout, implementation)
+        check_causal_args(d_in, d_out, context_length, dropout, implementation, block_sizes)
         self.d_in = d_in
         self.d_out = d_out
         self.context_length = context_length
         self.implementation = implementation
+        self.block_sizes = block_sizes
         self.precision = precision
         linear = linear_factory(
             dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs
@@ -136,23 +171,62 @@ class CausalAttention(CausalMaskMixin, nnx.Module):
         self.W_key = linear(d_in, d_out, use_bias=qkv_bias, axes=TO_HEADS)
         self.W_value = linear(d_in, d_out, use_bias=qkv_bias, axes=TO_HEADS)
         self.dropout = nnx.Dropout(dropout, rngs=rngs)
+        # The decode cache (``init_cache``): keys, values (..., max_length, 1, d_out), index.
+        self.cached_key: nnx.Cache | None = nnx.data(None)
+        self.cached_value: nnx.Cache | None = nnx.data(None)
+        self.cache_index: nnx.Cache | None = nnx.data(None)
 
-    def _cache_heads(self):
-        return 1, self.d_out
+    @property
+    def mask(self) -> np.ndarray:
+        """The documents' buffer, ``triu(ones(context_length, context_length), diagonal=1)``."""
+        return documents_mask(self.context_length)
+
+    def model_axis_sizes(self) -> dict[str, int]:
+        """What ``flax_attention.shard`` splits over ``model``: the features of the one head."""
+        return {"d_out": self.d_out}
+
+    def init_cache(self, batch_size, max_length: int | None = None, dtype=None) -> None:
+        """An empty decode cache for ``batch_size`` sequences of ``max_length`` tokens
+        (``flax_attention.cache.new_cache``; ``dtype`` defaults to the computation dtype); on a
+        sharded layer it is placed on the parameters' mesh at once."""
+        cache = decode_cache.new_cache(
+            batch_size,
+            max_length,
+            context_length=self.context_length,
+            heads=1,
+            head_dim=self.d_out,
+            dtype=dtype or self.W_query.dtype or self.W_query.param_dtype,
+        )
+        place_like_parameters(self, cache)
+        self.cached_key = cache["cached_key"]
+        self.cached_value = cache["cached_value"]
+        self.cache_index = cache["cache_index"]
 
     def __call__(self, x: jax.Array, *, decode: bool = False) -> jax.Array:
-        self._check_causal_input(x)
+        check_causal_input(x, self.d_in, self.context_length)
         keys = constrain(self.W_key(x)[..., None, :], ONE_HEAD)  # (..., t, 1, d_out)
         queries = constrain(self.W_query(x)[..., None, :], ONE_HEAD)  # (..., t, 1, d_out)
         values = constrain(self.W_value(x)[..., None, :], ONE_HEAD)  # (..., t, 1, d_out)
-        context_vec = self._causal_attention(queries, keys, values, decode)  # (..., t, 1, d_out)
+        context_vec = causal_attention(
+            queries,
+            keys,
+            values,
+            cache=(self.cached_key, self.cached_value, self.cache_index) if decode else None,
+            dropout=self.dropout,
+            precision=self.precision,
+            implementation=self.implementation,
+            block_sizes=self.block_sizes,
+        )  # (..., t, 1, d_out)
         return context_vec[..., 0, :]  # (..., t, d_out)
 
 
 class MultiHeadAttentionWrapper(nnx.Module):
     """Document 000, ``MultiHeadAttentionWrapper``: ``num_heads`` stacked ``CausalAttention``.
 
-    ``x`` ``(..., num_tokens, d_in)`` -> ``(..., num_tokens, num_heads * d_out)``.
+    ``x`` ``(..., num_tokens, d_in)`` -> ``(..., num_tokens, num_heads * d_out)``. As in
+    ``torch_reference/causal.py``: ``torch.cat([head(x) for head in self.heads], dim=-1)``, each
+    head a ``CausalAttention`` (whose docstring maps the attention lines to the core call).
+    ``init_cache`` gives every head its own cache.
     """
 
     def __init__(
@@ -164,14 +238,15 @@ class MultiHeadAttentionWrapper(nnx.Module):
         num_heads: int,
         qkv_bias: bool = False,
         *,
-        implementation: str | None = None,
+        implementation: Implementation | None = None,
+        block_sizes: BlockSizes | None = None,
         dtype=None,
         param_dtype=jnp.float32,
         precision=None,
         rngs: nnx.Rngs,
     ):
         check_positive_int("num_heads", num_heads)
-        check_causal_args(d_in, d_out, context_length, dropout, implementation)
+        check_causal_args(d_in, d_out, context_length, dropout, implementation, block_sizes)
         self.heads = nnx.List(
             [
                 CausalAttention(
@@ -181,6 +256,7 @@ class MultiHeadAttentionWrapper(nnx.Module):
                     dropout,
                     qkv_bias,
                     implementation=implementation,
+                    block_sizes=block_sizes,
                     dtype=dtype,
                     param_dtype=param_dtype,
                     precision=precision,
@@ -196,4 +272,14 @@ class MultiHeadAttentionWrapper(nnx.Module):
             head.init_cache(batch_size, max_length, dtype)
 
     def __call__(self, x: jax.Array, *, decode: bool = False) -> jax.Array:
-        return jnp.concatenate([head(x, decode=decode) for head in self.heads], axis=-1)
+        outs = [head(x, decode=decode) for head in self.heads]  # each (..., t, d_out)
+        # Explicit mesh axes: each head's d_out features are over "model"; gathered first, as
+        # concatenating along a sharded dimension has no one layout.
+        outs = [_gathered(out) for out in outs]
+        return jnp.concatenate(outs, axis=-1)  # (..., t, num_heads * d_out)
+
+
+def _gathered(x):
+    """``x`` with its last dimension replicated, on an explicit mesh; ``x`` otherwise."""
+    sharding = out_sharding_like(x)
+    return x if sharding is None else jax.sharding.reshard(x, sharding)

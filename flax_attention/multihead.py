@@ -8,21 +8,56 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
+from flax_attention import cache as decode_cache
 from flax_attention._checks import check_divisible, check_positive_int
 from flax_attention._init import linear_factory
-from flax_attention.causal import CausalMaskMixin, check_causal_args
-from flax_attention.sharding import FROM_HEADS, HEADS, TO_HEADS, constrain
+from flax_attention.axes import (
+    FROM_HEADS,
+    HEADS,
+    TO_HEADS,
+    constrain,
+    out_sharding_like,
+    place_like_parameters,
+)
+from flax_attention.causal import (
+    causal_attention,
+    check_causal_args,
+    check_causal_input,
+    documents_mask,
+)
+from flax_attention.core import BlockSizes, Implementation
 
 __all__ = ["MultiHeadAttention"]
 
 
-class MultiHeadAttention(CausalMaskMixin, nnx.Module):
+class MultiHeadAttention(nnx.Module):
     """Documents 000 and 002, ``MultiHeadAttention``: split heads, causal attention, ``out_proj``.
 
-    ``x`` ``(..., num_tokens, d_in)`` -> ``(..., num_tokens, d_out)``. ``implementation``,
-    ``init_cache`` and ``decode=True`` as in ``CausalAttention``.
+    ``x`` ``(..., num_tokens, d_in)`` -> ``(..., num_tokens, d_out)``.
+    ``torch_reference/multihead.py`` is the documents' code; its ``forward`` maps to
+    ``__call__`` here:
+
+    ==================================================  =========================================
+    document (``torch_reference/multihead.py``)          here
+    ==================================================  =========================================
+    ``keys = self.W_key(x)``, ``.view(b, t, h, d)``      ``_split_heads(self.W_key(x))``
+    ``.transpose(1, 2)`` (heads before tokens)           none: the core takes ``(..., t, h, d)``
+    ``attn_scores = queries @ keys.transpose(2, 3)``     ``dot_product_attention`` (core)
+    ``attn_scores.masked_fill_(mask_bool, -torch.inf)``  ``is_causal=True`` (``-inf`` above the
+                                                         diagonal, ``causal_mask``)
+    ``torch.softmax(attn_scores / head_dim ** 0.5)``     ``masked_softmax`` (float32 or wider)
+    ``attn_weights = self.dropout(attn_weights)``        ``dropout=self.dropout``
+    ``(attn_weights @ values).transpose(1, 2)``          the core's weighted sum, ``(..., t, h, d)``
+    ``.contiguous().view(b, t, d_out)``                  ``context_vec.reshape(..., t, d_out)``
+    ``self.out_proj(context_vec)``                       the same
+    ==================================================  =========================================
+
+    The core call is ``causal_attention`` (``flax_attention.causal``), shared with
+    ``CausalAttention``. Flax options: ``implementation``, ``block_sizes``, ``init_cache`` and
+    ``decode=True`` as in ``CausalAttention``.
     """
 
     def __init__(
@@ -34,14 +69,15 @@ class MultiHeadAttention(CausalMaskMixin, nnx.Module):
         num_heads: int,
         qkv_bias: bool = False,
         *,
-        implementation: str | None = None,
+        implementation: Implementation | None = None,
+        block_sizes: BlockSizes | None = None,
         dtype=None,
         param_dtype=jnp.float32,
         precision=None,
         rngs: nnx.Rngs,
     ):
         check_positive_int("num_heads", num_heads)
-        check_causal_args(d_in, d_out, context_length, dropout, implementation)
+        check_causal_args(d_in, d_out, context_length, dropout, implementation, block_sizes)
         check_divisible("d_out", d_out, num_heads)
         self.d_in = d_in
         self.d_out = d_out
@@ -49,6 +85,7 @@ class MultiHeadAttention(CausalMaskMixin, nnx.Module):
         self.head_dim = d_out // num_heads
         self.context_length = context_length
         self.implementation = implementation
+        self.block_sizes = block_sizes
         self.precision = precision
         linear = linear_factory(
             dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs
@@ -58,19 +95,56 @@ class MultiHeadAttention(CausalMaskMixin, nnx.Module):
         self.W_value = linear(d_in, d_out, use_bias=qkv_bias, axes=TO_HEADS)
         self.out_proj = linear(d_out, d_out, axes=FROM_HEADS)  # always biased, as in the documents
         self.dropout = nnx.Dropout(dropout, rngs=rngs)
+        # The decode cache (``init_cache``): keys, values (..., max_length, h, d), index.
+        self.cached_key: nnx.Cache | None = nnx.data(None)
+        self.cached_value: nnx.Cache | None = nnx.data(None)
+        self.cache_index: nnx.Cache | None = nnx.data(None)
+
+    @property
+    def mask(self) -> np.ndarray:
+        """The documents' buffer, ``triu(ones(context_length, context_length), diagonal=1)``."""
+        return documents_mask(self.context_length)
+
+    def model_axis_sizes(self) -> dict[str, int]:
+        """What ``flax_attention.shard`` splits over ``model``: the heads."""
+        return {"num_heads": self.num_heads}
+
+    def init_cache(self, batch_size, max_length: int | None = None, dtype=None) -> None:
+        """An empty decode cache for ``batch_size`` sequences of ``max_length`` tokens
+        (``flax_attention.cache.new_cache``; ``dtype`` defaults to the computation dtype); on a
+        sharded layer it is placed on the parameters' mesh at once."""
+        cache = decode_cache.new_cache(
+            batch_size,
+            max_length,
+            context_length=self.context_length,
+            heads=self.num_heads,
+            head_dim=self.head_dim,
+            dtype=dtype or self.W_query.dtype or self.W_query.param_dtype,
+        )
+        place_like_parameters(self, cache)
+        self.cached_key = cache["cached_key"]
+        self.cached_value = cache["cached_value"]
+        self.cache_index = cache["cache_index"]
 
     def _split_heads(self, x):
         x = x.reshape(*x.shape[:-1], self.num_heads, self.head_dim)  # (..., t, h, d)
         return constrain(x, HEADS)  # on a mesh: each head stays on its device
 
-    def _cache_heads(self):
-        return self.num_heads, self.head_dim
-
     def __call__(self, x: jax.Array, *, decode: bool = False) -> jax.Array:
-        self._check_causal_input(x)
+        check_causal_input(x, self.d_in, self.context_length)
         keys = self._split_heads(self.W_key(x))  # (..., t, h, d)
         queries = self._split_heads(self.W_query(x))  # (..., t, h, d)
         values = self._split_heads(self.W_value(x))  # (..., t, h, d)
-        context_vec = self._causal_attention(queries, keys, values, decode)  # (..., t, h, d)
+        context_vec = causal_attention(
+            queries,
+            keys,
+            values,
+            cache=(self.cached_key, self.cached_value, self.cache_index) if decode else None,
+            dropout=self.dropout,
+            precision=self.precision,
+            implementation=self.implementation,
+            block_sizes=self.block_sizes,
+        )  # (..., t, h, d)
         context_vec = context_vec.reshape(*x.shape[:-1], self.d_out)  # (..., t, d_out)
-        return self.out_proj(context_vec)  # (..., t, d_out)
+        # out_proj reduces over the heads; on an explicit mesh its result is laid out like x.
+        return self.out_proj(context_vec, out_sharding=out_sharding_like(x))  # (..., t, d_out)

@@ -14,8 +14,8 @@ from flax import nnx
 from flax_attention._checks import check_positive_int
 from flax_attention._init import linear_factory, partitioned, torch_rand
 from flax_attention._inputs import check_input
+from flax_attention.axes import ONE_HEAD, TO_HEADS, constrain
 from flax_attention.core import dot_product_attention, masked_softmax
-from flax_attention.sharding import ONE_HEAD, TO_HEADS, constrain
 
 __all__ = [
     "softmax_naive",
@@ -51,7 +51,19 @@ def _project(x, kernel, precision):
 class SelfAttention_v1(nnx.Module):
     """Document 003, ``SelfAttention_v1``: raw ``(d_in, d_out)`` matrices drawn like ``torch.rand``.
 
-    ``x`` ``(..., num_tokens, d_in)`` -> ``(..., num_tokens, d_out)``.
+    ``x`` ``(..., num_tokens, d_in)`` -> ``(..., num_tokens, d_out)``. The lines of
+    ``torch_reference/self_attention.py`` and the calls that replace them here:
+
+    ===============================================  ===========================================
+    document (``torch_reference/self_attention.py``)  here
+    ===============================================  ===========================================
+    ``keys = x @ self.W_key`` (queries, values)       ``_project``, as ``(..., t, 1, d_out)``
+    ``attn_scores = queries @ keys.T``                ``dot_product_attention`` (core)
+    (no mask)                                         no ``mask``, ``is_causal=False``
+    ``torch.softmax(attn_scores / d_k ** 0.5)``       ``masked_softmax`` (float32 or wider)
+    (no dropout)                                      no ``dropout``
+    ``context_vec = attn_weights @ values``           the core's weighted sum
+    ===============================================  ===========================================
     """
 
     def __init__(
@@ -75,6 +87,10 @@ class SelfAttention_v1(nnx.Module):
         self.W_key = nnx.Param(init(rngs.params(), (d_in, d_out), param_dtype))
         self.W_value = nnx.Param(init(rngs.params(), (d_in, d_out), param_dtype))
 
+    def model_axis_sizes(self) -> dict[str, int]:
+        """What ``flax_attention.shard`` splits over ``model``: the features of the one head."""
+        return {"d_out": self.d_out}
+
     def __call__(self, x: jax.Array) -> jax.Array:
         check_input("x", x, self.d_in)
         x, W_query, W_key, W_value = nnx.nn.dtypes.promote_dtype(
@@ -92,7 +108,20 @@ class SelfAttention_v2(nnx.Module):
     """Document 003, ``SelfAttention_v2`` (documents 000 and 002 call it ``SelfAttention``).
 
     ``nnx.Linear`` projections with torch's initialisers, optional bias.
-    ``x`` ``(..., num_tokens, d_in)`` -> ``(..., num_tokens, d_out)``.
+    ``x`` ``(..., num_tokens, d_in)`` -> ``(..., num_tokens, d_out)``. The lines of
+    ``torch_reference/self_attention.py`` and the calls that replace them here:
+
+    ===============================================  ===========================================
+    document (``torch_reference/self_attention.py``)  here
+    ===============================================  ===========================================
+    ``keys = self.W_key(x)`` (queries, values)        the same, as ``(..., t, 1, d_out)``
+    ``attn_scores = queries @ keys.T``                ``dot_product_attention`` (core)
+    (no mask)                                         no ``mask``, ``is_causal=False``
+    ``torch.softmax(attn_scores / d_k ** 0.5,         ``masked_softmax`` over the keys (float32
+    dim=1)``                                          or wider)
+    (no dropout)                                      no ``dropout``
+    ``context_vec = attn_weights @ values``           the core's weighted sum
+    ===============================================  ===========================================
     """
 
     def __init__(
@@ -117,6 +146,10 @@ class SelfAttention_v2(nnx.Module):
         self.W_query = linear(d_in, d_out, use_bias=qkv_bias, axes=TO_HEADS)
         self.W_key = linear(d_in, d_out, use_bias=qkv_bias, axes=TO_HEADS)
         self.W_value = linear(d_in, d_out, use_bias=qkv_bias, axes=TO_HEADS)
+
+    def model_axis_sizes(self) -> dict[str, int]:
+        """What ``flax_attention.shard`` splits over ``model``: the features of the one head."""
+        return {"d_out": self.d_out}
 
     def __call__(self, x: jax.Array) -> jax.Array:
         check_input("x", x, self.d_in)

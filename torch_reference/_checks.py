@@ -1,7 +1,7 @@
 """Argument and input checks shared by both packages, word for word.
 
 The documents use ``assert`` (or nothing) where a user can pass bad input; these checks raise the
-``ValueError``/``TypeError`` that ``shared/API.md`` asks for instead. ``torch_reference/_checks.py``
+``ValueError``/``TypeError`` that the project's error rules ask for. ``torch_reference/_checks.py``
 and ``flax_attention/_checks.py`` are the same file (a test compares them), so the two packages
 give the same message for the same mistake. Plain Python: no framework import.
 """

@@ -16,7 +16,6 @@ import pytest
 from flax import nnx
 
 import flax_attention as fa
-import flax_attention.core as core
 
 #: The cached layers at small sizes: (class, positional args), d_in = 8, context_length 16.
 LAYERS = {
@@ -25,16 +24,13 @@ LAYERS = {
     "mha": (fa.MultiHeadAttention, (8, 8, 16, 0.0, 2, True)),
 }
 DECODE_ATOL = 1e-5
-
-
-@pytest.fixture(autouse=True)
-def small_tiles(monkeypatch):
-    monkeypatch.setattr(core, "BLOCK_SIZE", 4)  # the cache's 16 slots cross 4 key tiles
+#: ``blocked``'s tiles: the cache's 16 slots cross 4 key tiles.
+SMALL_TILES = fa.BlockSizes(4, 4)
 
 
 def _layer(name, implementation=None):
     cls, args = LAYERS[name]
-    layer = cls(*args, implementation=implementation, rngs=nnx.Rngs(0))
+    layer = cls(*args, implementation=implementation, block_sizes=SMALL_TILES, rngs=nnx.Rngs(0))
     layer.eval()
     return layer
 
@@ -129,6 +125,28 @@ def test_overflow_inside_jit_returns_nan_and_leaves_the_cache_alone():
         step(layer, _x(1, 5))  # longer than the whole cache: known while tracing
     np.testing.assert_array_equal(np.asarray(layer.cached_value[...]), before)
     assert int(layer.cache_index[...]) == 3
+
+
+def test_overflow_by_exactly_one_token_inside_jit_is_nan_and_a_fitting_step_still_fits():
+    """3 tokens, then 2 into ``max_length=4`` (one too many): NaN, index still 3, cache as it
+    was; then 1 token (filling the cache exactly) fits: finite, the full pass's last row, index
+    4. An off-by-one in the overflow check fails one half or the other."""
+    layer = _layer("mha")
+    x = _x(1, 4, seed=8)
+    with jax.default_matmul_precision("highest"):
+        full = layer(x)  # (1, 4, 8)
+        layer.init_cache(1, max_length=4)
+        step = nnx.jit(lambda layer, x: layer(x, decode=True))
+        assert bool(jnp.isfinite(step(layer, x[:, :3])).all())
+        keys_before = np.asarray(layer.cached_key[...])
+        bad = step(layer, _x(1, 2, seed=5))  # 3 + 2 > 4
+        assert bool(jnp.isnan(bad).all()), "overflowing by one token must not return numbers"
+        assert int(layer.cache_index[...]) == 3
+        np.testing.assert_array_equal(np.asarray(layer.cached_key[...]), keys_before)
+        last = step(layer, x[:, 3:])  # 3 + 1 == 4: fits exactly
+    assert int(layer.cache_index[...]) == 4
+    diff = _max_diff(last, full[:, 3:])
+    assert diff <= DECODE_ATOL, f"the step that fills the cache exactly: {diff:.2e}"
 
 
 @pytest.mark.parametrize(

@@ -132,9 +132,9 @@ def _python_blocks(page):
 
 
 #: Blocks run elsewhere: the sharding example needs 8 devices, so the sharding tests run it in
-#: their subprocess (``sharding_script.check_readme_example``); the README's blocks are run by
+#: their subprocess (``sharded_tests.py``); the README's blocks are run by
 #: ``test_readme.py``.
-RUN_ELSEWHERE = {"fa.shard(": "conformance_tests/tests/sharding_script.py"}
+RUN_ELSEWHERE = {"fa.shard(": "conformance_tests/tests/sharded_tests.py"}
 
 DOC_BLOCKS = [
     pytest.param(block, id=f"{page.name}[{i}]")

@@ -6,8 +6,8 @@ Two levels:
    the Flax layer, the layer switched to ``xla`` or ``blocked`` (``MultiHeadedAttention`` with
    ``keep_attention_score=False``: only ``reference`` returns weights), outputs and gradients
    compared with torch through the harness, under the spec's float32 tolerances. ``blocked``
-   runs with 4-token tiles so the documents' 6 and 7 tokens cross several tiles and end in a
-   partial one.
+   runs with 4-token tiles (``BlockSizes(4, 4)``, passed as an argument) so the documents' 6 and
+   7 tokens cross several tiles and end in a partial one.
 2. The core function on the shapes the layers do not reach: one token, cross lengths, a key
    length that is not a multiple of the tile, padding and arbitrary masks, a fully masked row,
    queries at an offset (decode), ``v_dim != k_dim``.
@@ -25,6 +25,7 @@ import flax_attention as fa
 import flax_attention.core as core
 from conformance_tests import harness, spec
 from conformance_tests.tolerances import tolerance
+from flax_attention.kernels import blocked
 
 CPU = harness.backends(["cpu"])[0]
 FAST = ("xla", "blocked")
@@ -37,16 +38,16 @@ CASES = [
 LARGE = [c for c in spec.CASES if c.name in ("gpt2_mha", "gpt2_annotated")]
 
 
-@pytest.fixture(autouse=True)
-def small_tiles(monkeypatch):
-    monkeypatch.setattr(core, "BLOCK_SIZE", 4)
+#: 4 x 4 tiles: the documents' 6 and 7 tokens cross several and end in a partial one.
+SMALL_TILES = fa.BlockSizes(4, 4)
 
 
-def set_implementation(module, implementation):
-    """Switch every attention layer inside ``module`` to ``implementation``."""
+def set_implementation(module, implementation, block_sizes=SMALL_TILES):
+    """Switch every attention layer inside ``module`` to ``implementation`` (and its tiles)."""
     for _, node in nnx.iter_graph(module):
         if hasattr(node, "implementation"):
             node.implementation = implementation
+            node.block_sizes = block_sizes
         if isinstance(node, fa.MultiHeadedAttention):
             node.keep_attention_score = implementation in (None, "reference")
 
@@ -56,9 +57,9 @@ def _out_only(case, named):
     return {k: v for k, v in named.items() if k != "attention_score"}
 
 
-def _pair(case, tmp_path, implementation):
+def _pair(case, tmp_path, implementation, block_sizes=SMALL_TILES):
     tm, fm = harness.build_pair(case, str(tmp_path))
-    set_implementation(fm, implementation)
+    set_implementation(fm, implementation, block_sizes)
     inputs = harness.make_inputs(case)
     mask = harness.make_mask(case, inputs)
     return tm, fm, *harness._prepare(case, CPU, inputs, mask)
@@ -96,9 +97,9 @@ def test_layer_gradients_equal_torch(case, implementation, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", LARGE, ids=lambda c: c.name)
-def test_gpt2_size_blocked_equals_torch(case, tmp_path, monkeypatch):
-    monkeypatch.setattr(core, "BLOCK_SIZE", 128)  # the default tile, 8 x 8 tiles, half skipped
-    tm, fm, t_inputs, t_mask, f_inputs, f_mask = _pair(case, tmp_path, "blocked")
+def test_gpt2_size_blocked_equals_torch(case, tmp_path):
+    tiles = fa.BlockSizes.square(128)  # the default tile, 8 x 8 tiles, half skipped
+    tm, fm, t_inputs, t_mask, f_inputs, f_mask = _pair(case, tmp_path, "blocked", tiles)
     import torch
 
     with torch.no_grad():
@@ -174,6 +175,7 @@ def test_core_equals_reference(
                 fill_value=fill,
                 implementation=impl,
                 need_weights=impl == "reference",
+                block_sizes=SMALL_TILES,
             )
             return (out * cotangent).sum(), out
 
@@ -196,7 +198,15 @@ def test_causal_fully_masked_row_attends_to_its_first_key_only():
     q, k, v, mask, _ = _core_inputs((1,), 5, 5, 1, 4, 4, "row0")
     for impl in ("reference", "xla", "blocked"):
         out, _ = core.dot_product_attention(
-            q, k, v, mask, is_causal=True, fill_value=-1e10, implementation=impl, need_weights=False
+            q,
+            k,
+            v,
+            mask,
+            is_causal=True,
+            fill_value=-1e10,
+            implementation=impl,
+            need_weights=False,
+            block_sizes=SMALL_TILES,
         )
         np.testing.assert_allclose(np.asarray(out)[0, 0], v[0, 0], atol=1e-6, err_msg=impl)
 
@@ -204,13 +214,37 @@ def test_causal_fully_masked_row_attends_to_its_first_key_only():
 def test_blocked_skips_the_tiles_the_causal_mask_removes():
     """Query tile ``i`` visits key tiles ``0..i``: with 4 x 4 tiles over 16 tokens that is 10 of
     the 16 tiles, counted from the kernel's own bound."""
-    config = core._BlockConfig(4, 4, 16, 16, True, -np.inf, None)
-    visited = [int(core._key_blocks(config, 0, i)) for i in range(4)]
+    config = blocked._Config(4, 4, 16, 16, True, -np.inf, None)
+    visited = [int(blocked._key_blocks(config, 0, i)) for i in range(4)]
     assert visited == [1, 2, 3, 4]
-    dense = core._BlockConfig(4, 4, 16, 16, False, -np.inf, None)
-    assert [int(core._key_blocks(dense, 0, i)) for i in range(4)] == [4, 4, 4, 4]
+    dense = blocked._Config(4, 4, 16, 16, False, -np.inf, None)
+    assert [int(blocked._key_blocks(dense, 0, i)) for i in range(4)] == [4, 4, 4, 4]
     # A key tile's first query tile (the backward's bound): tile j is first seen by tile j.
-    assert [int(core._first_query_block(config, 0, j)) for j in range(4)] == [0, 1, 2, 3]
+    assert [int(blocked._first_query_block(config, 0, j)) for j in range(4)] == [0, 1, 2, 3]
+
+
+def test_block_sizes_are_an_argument_that_changes_the_tiles_not_the_numbers():
+    """The same call with 4 x 4, 3 x 5 and automatic tiles: the same output (to float32
+    rounding); ``BlockSizes.automatic`` follows ``TILE_BYTES``; bad sizes are refused."""
+    q, k, v, _, _ = _core_inputs((2,), 13, 13, 3, 4, 4, None)
+    outs = [
+        core.dot_product_attention(
+            q, k, v, is_causal=True, implementation="blocked", need_weights=False, block_sizes=b
+        )[0]
+        for b in (fa.BlockSizes(4, 4), fa.BlockSizes(3, 5), None)
+    ]
+    for out in outs[1:]:
+        np.testing.assert_allclose(np.asarray(out), np.asarray(outs[0]), atol=1e-6)
+    assert fa.BlockSizes.automatic(1) == fa.BlockSizes(256, 256)
+    assert fa.BlockSizes.automatic(8 * 12) == fa.BlockSizes(64, 64)  # 96 * 128**2 * 4 > 4 MiB
+    with pytest.raises(ValueError, match=r"block_q \(0\) must be positive"):
+        fa.BlockSizes(0, 4)
+    with pytest.raises(TypeError, match=r"block_k \(2.5\) must be an int"):
+        fa.BlockSizes(4, 2.5)
+    with pytest.raises(TypeError, match=r"block_sizes \(int\) must be a BlockSizes or None"):
+        core.dot_product_attention(q, k, v, block_sizes=4)
+    with pytest.raises(TypeError, match=r"block_sizes \(tuple\) must be a BlockSizes or None"):
+        fa.MultiHeadAttention(4, 4, 4, 0.0, 2, block_sizes=(4, 4), rngs=nnx.Rngs(0))
 
 
 def test_implementations_reject_what_they_cannot_do():

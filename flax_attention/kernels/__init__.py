@@ -1,0 +1,14 @@
+"""The attention core's faster implementations, each a function of ``(queries, keys, values,
+attention_mask)`` in the core's layout (``flax_attention.core``) with an ``AttentionMask``
+(``flax_attention.masking``) saying what to hide:
+
+- ``blocked``: flash-style tiles in JAX with a custom VJP (``BlockSizes`` sets the tiles);
+- ``jax_nn``: ``jax.nn.dot_product_attention`` (``xla``, ``cudnn``) behind the core's conventions.
+
+``flax_attention.core.dot_product_attention`` dispatches to them by ``implementation`` name.
+"""
+
+from flax_attention.kernels.blocked import BlockSizes, blocked_attention
+from flax_attention.kernels.jax_nn import jax_nn_attention
+
+__all__ = ["BlockSizes", "blocked_attention", "jax_nn_attention"]

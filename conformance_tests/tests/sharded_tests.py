@@ -1,0 +1,532 @@
+"""Sharded layers against one device, on 8 virtual CPU devices: ordinary pytest tests.
+
+JAX fixes its device count when its backend starts, so these run in a pytest of their own:
+``test_sharding.py`` starts it with ``XLA_FLAGS=--xla_force_host_platform_device_count=8``
+(the main pytest keeps its single device). By hand:
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m pytest \
+        conformance_tests/tests/sharded_tests.py
+
+Meshes ``(data, model)``: (8, 1), (1, 8), (2, 4), (4, 2), each with ``Auto`` axes and with the
+``Explicit`` axes that ``jax.make_mesh`` makes by default (sharding in types). Every comparison
+is against the same layer on one device, within ``TOL * max(1, max|reference|)`` (the
+repository's float32 rule).
+"""
+
+from __future__ import annotations
+
+import pathlib
+import re
+import tempfile
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import flax_attention as fa
+from flax_attention.axes import HEADS, constrain
+
+if jax.device_count() < 8:  # test_sharding.py runs this file with 8 devices
+    pytest.skip(
+        f"jax.device_count() ({jax.device_count()}) must be >= 8: run through test_sharding.py "
+        "or with XLA_FLAGS=--xla_force_host_platform_device_count=8",
+        allow_module_level=True,
+    )
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+MESHES = ((8, 1), (1, 8), (2, 4), (4, 2))
+AXIS_TYPES = ("auto", "explicit")
+TOL = 1e-5
+B, T = 8, 4  # batch (divides every data axis), tokens
+
+#: name -> (constructor, number of inputs, d_in). Heads (or d_out, single-head) divide 8.
+LAYERS = {
+    "MultiHeadAttention": (
+        lambda: fa.MultiHeadAttention(6, 16, T, 0.0, num_heads=8, qkv_bias=True, rngs=nnx.Rngs(0)),
+        1,
+        6,
+    ),
+    "MultiHeadedAttention": (lambda: fa.MultiHeadedAttention(8, 16, 0.0, rngs=nnx.Rngs(1)), 3, 16),
+    "CausalAttention": (
+        lambda: fa.CausalAttention(6, 8, T, 0.0, qkv_bias=True, rngs=nnx.Rngs(2)),
+        1,
+        6,
+    ),
+    "MultiHeadAttentionWrapper": (
+        lambda: fa.MultiHeadAttentionWrapper(6, 8, T, 0.0, num_heads=2, rngs=nnx.Rngs(3)),
+        1,
+        6,
+    ),
+    # The attention core's other kernels (CPU picks reference at these sizes): the flash-style
+    # blocked one with its custom VJP, and XLA's fused one (what GPU/TPU pick).
+    "MultiHeadAttention[blocked]": (
+        lambda: fa.MultiHeadAttention(
+            6, 16, T, 0.0, num_heads=8, implementation="blocked", rngs=nnx.Rngs(0)
+        ),
+        1,
+        6,
+    ),
+    "MultiHeadAttention[xla]": (
+        lambda: fa.MultiHeadAttention(
+            6, 16, T, 0.0, num_heads=8, implementation="xla", rngs=nnx.Rngs(0)
+        ),
+        1,
+        6,
+    ),
+    "SelfAttention_v1": (lambda: fa.SelfAttention_v1(6, 8, rngs=nnx.Rngs(4)), 1, 6),
+    "SelfAttention_v2": (lambda: fa.SelfAttention_v2(6, 8, qkv_bias=True, rngs=nnx.Rngs(5)), 1, 6),
+}
+#: Checked on every mesh; the others (the same placement as ``CausalAttention``'s projections,
+#: or the same layer with another kernel) on 2x4 only.
+EVERY_MESH = ("MultiHeadAttention", "MultiHeadedAttention", "CausalAttention")
+EVERY_MESH += ("MultiHeadAttentionWrapper",)
+MULTI_HEAD = ("MultiHeadAttention", "MultiHeadedAttention")
+DECODERS = ("MultiHeadAttention", "CausalAttention", "MultiHeadAttentionWrapper")
+
+#: What the partition metadata must say, by the parameter's last two path parts.
+HEADS_SPEC = P("data", None, "model", None)  # (b, t, h, d): q/k/v and the decode cache
+ROW = ("model", None)  # out_proj, proj_weights.3: input features (heads) over model
+COLUMN = (None, "model")  # query/key/value projections: output features (heads) over model
+
+LAYER_CASES = [
+    (name, mesh, kind)
+    for name in LAYERS
+    for mesh in (MESHES if name in EVERY_MESH else ((2, 4),))
+    for kind in AXIS_TYPES
+]
+
+
+def _id(value):
+    return "x".join(map(str, value)) if isinstance(value, tuple) else str(value)
+
+
+def expected_axes(path: tuple) -> tuple:
+    owner = ".".join(str(p) for p in path[:-1])
+    reduces = owner.endswith("out_proj") or owner.endswith("proj_weights.3")
+    if path[-1] == "kernel":
+        return ROW if reduces else COLUMN
+    if path[-1] == "bias":
+        return (None,) if reduces else ("model",)
+    return COLUMN  # SelfAttention_v1's raw (d_in, d_out) matrices
+
+
+def make_mesh(shape, names=("data", "model"), kind="auto"):
+    """A mesh of the first ``prod(shape)`` devices; ``kind="explicit"`` is what
+    ``jax.make_mesh(shape, names)`` gives by default in jax 0.10."""
+    if kind == "explicit":
+        mesh = jax.make_mesh(shape, names)
+        assert set(mesh.axis_types) == {AxisType.Explicit}, mesh.axis_types
+        return mesh
+    devices = np.array(jax.devices()[: int(np.prod(shape))]).reshape(shape)
+    return jax.sharding.Mesh(devices, names, axis_types=(AxisType.Auto,) * len(names))
+
+
+def make_inputs(name):
+    _, n_inputs, d_in = LAYERS[name]
+    rng = np.random.default_rng(sum(map(ord, name)))
+    inputs = [rng.standard_normal((B, T, d_in)).astype(np.float32) for _ in range(n_inputs)]
+    if name == "MultiHeadedAttention":
+        inputs.append(np.tril(np.ones((T, T), np.float32))[None])  # (1, t, s) causal mask
+    return inputs
+
+
+def shard_inputs(inputs, mesh):
+    out = []
+    for x in inputs:
+        batched = "data" in mesh.axis_names and x.shape[0] % dict(mesh.shape)["data"] == 0
+        out.append(jax.device_put(x, NamedSharding(mesh, P("data") if batched else P())))
+    return out
+
+
+def placed_as(array, mesh, spec) -> bool:
+    """``array`` is laid out on ``mesh`` as ``spec`` says (trailing ``None``s do not matter)."""
+    return array.sharding.is_equivalent_to(NamedSharding(mesh, spec), array.ndim)
+
+
+def forward_and_grads(module, inputs, cotangent):
+    """Output and the gradients of ``sum(out * cotangent)`` w.r.t. parameters and inputs, by
+    name, and the compiled program's text."""
+    graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+    n = LAYERS[type(module).__name__][1]  # differentiable inputs; the rest (a mask) is not
+
+    def run(params, xs, extra):
+        def loss(params, xs):
+            out = nnx.merge(graphdef, params, rest)(*xs, *extra)
+            return (out * cotangent).sum(), out
+
+        (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, xs)
+        return out, grads
+
+    args = (params, list(inputs[:n]), list(inputs[n:]))
+    compiled = jax.jit(run).lower(*args).compile()
+    out, (g_params, g_inputs) = compiled(*args)
+    flat = {"out": out}
+    flat.update({f"grad input.{i}": g for i, g in enumerate(g_inputs)})
+    for path, value in nnx.to_flat_state(g_params):
+        flat["grad " + ".".join(str(p) for p in path)] = value[...]
+    return flat, compiled.as_text()
+
+
+def assert_close(reference: dict, actual: dict, what: str) -> float:
+    """Every same-named tensor within ``TOL * max(1, max|reference|)``; the failure names each
+    tensor that is not, with its max diff and scale. Returns the max diff."""
+    worst, failed = 0.0, []
+    for key in reference:
+        ref = np.asarray(reference[key], np.float64)
+        diff = float(np.max(np.abs(ref - np.asarray(actual[key], np.float64))))
+        scale = float(np.abs(ref).max())
+        worst = max(worst, diff)
+        if not diff <= TOL * max(1.0, scale):
+            failed.append(f"{key}: max diff {diff:.3e} (max|ref| {scale:.3g})")
+    assert not failed, f"{what} differs from one device: " + "; ".join(failed)
+    return worst
+
+
+_REFERENCES: dict = {}
+
+
+def single_device(name):
+    """The layer (eval mode), its inputs, the cotangent and its one-device results, once."""
+    if name not in _REFERENCES:
+        make = LAYERS[name][0]
+        module = make()
+        module.eval()
+        inputs = make_inputs(name)
+        graphdef, state = nnx.split(module)
+        out = jax.eval_shape(lambda s: nnx.merge(graphdef, s)(*inputs), state)
+        cotangent = np.random.default_rng(7).standard_normal(out.shape).astype(np.float32)
+        reference, _ = forward_and_grads(module, inputs, cotangent)
+        _REFERENCES[name] = (module, inputs, cotangent, reference)
+    return _REFERENCES[name]
+
+
+@pytest.mark.parametrize(("name", "shape", "kind"), LAYER_CASES, ids=_id)
+def test_forward_and_gradients_equal_one_device(name, shape, kind):
+    """Forward and the gradients of every parameter and input equal one device; every
+    parameter sits where its metadata says; the multi-head layers' compiled forward and backward
+    have no all-gather (q/k/v stay split by heads; only ``out_proj`` reduces over ``model``)."""
+    module, inputs, cotangent, reference = single_device(name)
+    mesh = make_mesh(shape, kind=kind)
+    sharded = fa.shard(nnx.clone(module), mesh)
+    with jax.set_mesh(mesh):
+        actual, hlo = forward_and_grads(sharded, shard_inputs(inputs, mesh), cotangent)
+    assert_close(reference, actual, f"{name} on {_id(shape)} ({kind})")
+
+    for path, variable in nnx.to_flat_state(nnx.state(sharded, nnx.Param)):
+        label = ".".join(map(str, path))
+        axes = expected_axes(path)
+        assert tuple(variable.get_metadata().get("out_sharding") or ()) == axes, label
+        assert placed_as(variable[...], mesh, P(*axes)), f"{label}: {variable[...].sharding}"
+    if name.split("[")[0] in MULTI_HEAD and shape[1] > 1:
+        assert hlo.count("all-gather(") == 0, f"{name} on {_id(shape)} ({kind}) all-gathers"
+
+
+def _caches(module) -> dict:
+    """Every cache variable of ``module`` by path (values as float64 NumPy)."""
+    return {
+        ".".join(map(str, path)): np.asarray(variable[...], np.float64)
+        for path, variable in nnx.to_flat_state(nnx.state(module, nnx.Cache))
+    }
+
+
+def _decode(module, tokens, mesh=None):
+    step = nnx.jit(lambda m, x: m(x, decode=True))
+    outs = []
+    for x in tokens:
+        x = x if mesh is None else shard_inputs([x], mesh)[0]
+        outs.append(np.asarray(step(module, x)))
+    return np.concatenate(outs, axis=-2)  # (b, T, d_out)
+
+
+@pytest.mark.parametrize("kind", AXIS_TYPES)
+@pytest.mark.parametrize("shape", MESHES, ids=_id)
+@pytest.mark.parametrize("name", DECODERS)
+def test_decode_equals_one_device(name, shape, kind):
+    """Token-by-token decode equals one-device decode (outputs and the caches themselves),
+    which equals the full causal pass; the caches sit on the mesh by heads (one head: its
+    ``d_out`` features over ``model``), the index replicated. Half the meshes shard the layer
+    before ``init_cache`` (the cache follows the parameters), half after (``shard`` places it)."""
+    module, _, _, _ = single_device(name)
+    d_in = LAYERS[name][2]
+    rng = np.random.default_rng(sum(map(ord, name)) + 1)
+    tokens = rng.standard_normal((T, B, 1, d_in)).astype(np.float32)  # T steps of 1 token
+    reference = nnx.clone(module)
+    reference.init_cache(B)
+    expected = {"out": _decode(reference, tokens), **_caches(reference)}
+    full = np.asarray(module(np.concatenate(list(tokens), axis=-2)))
+    np.testing.assert_allclose(expected["out"], full, atol=TOL, err_msg="decode vs full pass")
+
+    mesh = make_mesh(shape, kind=kind)
+    sharded = nnx.clone(module)
+    if shape in ((8, 1), (2, 4)):
+        fa.shard(sharded, mesh)
+        sharded.init_cache(B)  # placed on the parameters' mesh at once
+    else:
+        sharded.init_cache(B)
+        fa.shard(sharded, mesh)
+    for path, variable in nnx.to_flat_state(nnx.state(sharded, nnx.Cache)):
+        value = variable[...]
+        if path[-1] == "cache_index":
+            want = P()
+        elif value.shape[-2] == 1:  # one head: features over model
+            want = P("data", None, None, "model")
+        else:
+            want = HEADS_SPEC
+        assert placed_as(value, mesh, want), f"{'.'.join(map(str, path))}: {value.sharding}"
+    with jax.set_mesh(mesh):
+        actual = {"out": _decode(sharded, tokens, mesh)}
+    actual.update(_caches(sharded))
+    assert_close(expected, actual, f"{name} decode on {_id(shape)} ({kind})")
+
+
+@pytest.mark.parametrize("kind", AXIS_TYPES)
+@pytest.mark.parametrize("name", MULTI_HEAD)
+def test_train_mode_dropout_equals_one_device(name, kind):
+    """Dropout active (rate 0.5): the sharded layer draws the same dropout mask as on one
+    device (the same key from the layer's stream; JAX's random bits do not depend on the
+    sharding), so the outputs agree too."""
+    make = {
+        "MultiHeadAttention": lambda: fa.MultiHeadAttention(
+            6, 16, T, 0.5, num_heads=8, rngs=nnx.Rngs(0)
+        ),
+        "MultiHeadedAttention": lambda: fa.MultiHeadedAttention(8, 16, 0.5, rngs=nnx.Rngs(1)),
+    }[name]
+    inputs = make_inputs(name)
+    n = LAYERS[name][1]
+    run = nnx.jit(lambda m, xs, extra: m(*xs, *extra))
+    module = make()
+    expected = np.asarray(run(nnx.clone(module), inputs[:n], inputs[n:]))
+    mesh = make_mesh((2, 4), kind=kind)
+    sharded = fa.shard(nnx.clone(module), mesh)
+    with jax.set_mesh(mesh):
+        xs = shard_inputs(inputs, mesh)
+        actual = np.asarray(run(sharded, xs[:n], xs[n:]))
+    eval_mode = make()
+    eval_mode.eval()
+    dropped = np.abs(expected - np.asarray(eval_mode(*inputs))).max()
+    assert dropped > 1e-2, "dropout changed nothing"
+    assert_close({"out": expected}, {"out": actual}, f"{name} train mode on 2x4 ({kind})")
+
+
+@pytest.mark.parametrize("names", [("data",), ("model",)], ids=_id)
+def test_a_mesh_without_model_or_data_counts_it_as_size_one(names):
+    name = "MultiHeadAttention"
+    module, inputs, _, _ = single_device(name)
+    expected = np.asarray(module(*inputs))
+    mesh = make_mesh((8,), names)
+    sharded = fa.shard(nnx.clone(module), mesh)
+    kernel = sharded.W_query.kernel[...]
+    assert placed_as(kernel, mesh, P(None, None) if names == ("data",) else P(None, "model"))
+    with jax.set_mesh(mesh):
+        out = np.asarray(nnx.jit(lambda m, x: m(x))(sharded, shard_inputs(inputs, mesh)[0]))
+    np.testing.assert_allclose(out, expected, atol=TOL)
+
+
+@pytest.mark.parametrize("kind", AXIS_TYPES)
+def test_load_state_dict_keeps_the_shardings(kind):
+    mesh = make_mesh((2, 4), kind=kind)
+    module = fa.shard(LAYERS["MultiHeadAttention"][0](), mesh)
+    other = LAYERS["MultiHeadAttention"][0]()
+    other.W_query.kernel[...] = other.W_query.kernel[...] + 1.0
+    before = {k: v[...].sharding for k, v in nnx.to_flat_state(nnx.state(module, nnx.Param))}
+    fa.load_state_dict(module, fa.state_dict(other))
+    after = {k: v[...].sharding for k, v in nnx.to_flat_state(nnx.state(module, nnx.Param))}
+    for key, value in fa.state_dict(module).items():
+        np.testing.assert_array_equal(value, fa.state_dict(other)[key], err_msg=key)
+    assert before == after
+
+
+@pytest.mark.parametrize(
+    ("name", "source", "target", "kind"),
+    [
+        ("MultiHeadAttention", (2, 4), (4, 2), "auto"),
+        ("MultiHeadedAttention", (8, 1), (1, 8), "auto"),
+        ("MultiHeadAttention", (2, 4), (4, 2), "explicit"),
+    ],
+    ids=_id,
+)
+def test_orbax_restores_a_checkpoint_onto_another_mesh(name, source, target, kind):
+    """Saved from a layer on one mesh, restored into a layer with other weights on another:
+    the parameters come back bit for bit with the new mesh's shardings, and the outputs equal
+    those of the original weights placed on the new mesh bit for bit (the old mesh's within
+    ``TOL``)."""
+    import orbax.checkpoint as ocp
+
+    make, n, _ = LAYERS[name]
+    inputs = make_inputs(name)
+    mesh_a, mesh_b = make_mesh(source, kind=kind), make_mesh(target, kind=kind)
+    original = make()
+    original.eval()
+    on_a = fa.shard(nnx.clone(original), mesh_a)
+    fresh = make()
+    fresh.eval()
+    nnx.update(fresh, jax.tree.map(lambda a: a + 1.0, nnx.state(fresh, nnx.Param)))
+    fresh = fa.shard(fresh, mesh_b)
+
+    def params(m):
+        return nnx.to_flat_state(nnx.state(m, nnx.Param))
+
+    assert not any(
+        np.array_equal(got[...], want[...])
+        for (_, got), (_, want) in zip(params(fresh), params(original), strict=True)
+    ), "the target's weights equal the checkpoint's before the restore"
+    with tempfile.TemporaryDirectory() as tmp:
+        checkpointer = ocp.StandardCheckpointer()
+        checkpointer.save(f"{tmp}/ckpt", nnx.state(on_a, nnx.Param))
+        checkpointer.wait_until_finished()
+        abstract = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+            nnx.state(fresh, nnx.Param),
+        )
+        nnx.update(fresh, checkpointer.restore(f"{tmp}/ckpt", abstract))
+        checkpointer.close()
+    for (path, got), (_, want) in zip(params(fresh), params(original), strict=True):
+        label = ".".join(map(str, path))
+        np.testing.assert_array_equal(np.asarray(got[...]), np.asarray(want[...]), label)
+        assert got[...].sharding.mesh.devices.shape == tuple(target), label
+        assert placed_as(got[...], mesh_b, P(*expected_axes(path))), label
+    on_b = fa.shard(nnx.clone(original), mesh_b)
+    run = nnx.jit(lambda m, xs, extra: m(*xs, *extra))
+    with jax.set_mesh(mesh_b):
+        xs_b = shard_inputs(inputs, mesh_b)
+        out_restored = np.asarray(run(fresh, xs_b[:n], xs_b[n:]))
+        out_original = np.asarray(run(on_b, xs_b[:n], xs_b[n:]))
+    with jax.set_mesh(mesh_a):
+        xs_a = shard_inputs(inputs, mesh_a)
+        out_a = np.asarray(run(on_a, xs_a[:n], xs_a[n:]))
+    np.testing.assert_array_equal(out_restored, out_original)
+    np.testing.assert_allclose(out_restored, out_a, atol=TOL)
+
+
+@pytest.mark.parametrize(
+    ("make", "mesh_arg", "error", "message"),
+    [
+        (
+            lambda: fa.MultiHeadAttention(6, 12, T, 0.0, num_heads=6, rngs=nnx.Rngs(0)),
+            (2, 4),
+            ValueError,
+            "num_heads (6) must be divisible by the mesh's model axis (4)",
+        ),
+        (
+            lambda: fa.MultiHeadedAttention(2, 8, 0.0, rngs=nnx.Rngs(0)),
+            (2, 4),
+            ValueError,
+            "num_heads (2) must be divisible by the mesh's model axis (4)",
+        ),
+        (
+            lambda: fa.CausalAttention(6, 6, T, 0.0, rngs=nnx.Rngs(0)),
+            (2, 4),
+            ValueError,
+            "d_out (6) must be divisible by the mesh's model axis (4)",
+        ),
+        (
+            lambda: fa.MultiHeadAttentionWrapper(6, 6, T, 0.0, num_heads=2, rngs=nnx.Rngs(0)),
+            (2, 4),
+            ValueError,
+            "d_out (6) of heads.0 must be divisible by the mesh's model axis (4)",
+        ),
+        (
+            lambda: fa.SelfAttention_v1(6, 6, rngs=nnx.Rngs(0)),
+            (2, 4),
+            ValueError,
+            "d_out (6) must be divisible by the mesh's model axis (4)",
+        ),
+        (
+            lambda: fa.MultiHeadAttention(6, 16, T, 0.0, num_heads=8, rngs=nnx.Rngs(0)),
+            None,
+            TypeError,
+            "mesh (tuple) must be a jax.sharding.Mesh",
+        ),
+    ],
+    ids=["mha_heads", "annotated_heads", "causal_d_out", "wrapper_head", "v1_d_out", "tuple"],
+)
+@pytest.mark.parametrize("kind", AXIS_TYPES)
+def test_shard_refuses_what_does_not_divide_and_moves_nothing(make, mesh_arg, error, message, kind):
+    module = make()
+    mesh = (2, 4) if mesh_arg is None else make_mesh(mesh_arg, kind=kind)
+    before = [v[...].sharding for _, v in nnx.to_flat_state(nnx.state(module, nnx.Param))]
+    with pytest.raises(error) as raised:
+        fa.shard(module, mesh)
+    assert str(raised.value).startswith(message), str(raised.value)
+    after = [v[...].sharding for _, v in nnx.to_flat_state(nnx.state(module, nnx.Param))]
+    assert before == after, "a refused shard moved parameters"
+
+
+@pytest.mark.parametrize("kind", AXIS_TYPES)
+def test_init_cache_refuses_a_batch_that_does_not_divide_over_data(kind):
+    module = fa.shard(LAYERS["MultiHeadAttention"][0](), make_mesh((2, 4), kind=kind))
+    message = "cached_key.shape[0] (1) must be divisible by the mesh's data axis (2)"
+    with pytest.raises(ValueError) as raised:
+        module.init_cache(1)
+    assert str(raised.value) == message
+    assert module.cached_key is None and module.cache_index is None  # nothing half-made
+
+
+def test_shard_under_jit_creates_a_placed_layer():
+    """``shard`` inside ``nnx.jit``: the layer comes out of the compiled function already placed
+    (never whole on one device), with the same weights as an eager one."""
+    mesh = make_mesh((2, 4))
+    make = LAYERS["MultiHeadAttention"][0]
+    created = nnx.jit(lambda: fa.shard(make(), mesh))()
+    eager = make()
+    for (path, got), (_, want) in zip(
+        nnx.to_flat_state(nnx.state(created, nnx.Param)),
+        nnx.to_flat_state(nnx.state(eager, nnx.Param)),
+        strict=True,
+    ):
+        label = ".".join(map(str, path))
+        assert placed_as(got[...], mesh, P(*expected_axes(path))), label
+        np.testing.assert_array_equal(np.asarray(got[...]), np.asarray(want[...]), label)
+
+
+def test_constrain_places_heads_on_auto_axes_and_leaves_explicit_ones_to_the_types():
+    """``constrain``: a no-op without a mesh; under ``jax.set_mesh`` with ``Auto`` axes it
+    places ``(b, t, h, d)`` as ``("data", None, "model", None)``, leaving axes that do not
+    divide unconstrained; with ``Explicit`` axes the input's own sharding stays."""
+    mesh = make_mesh((2, 4))
+    x = np.ones((4, 3, 8, 2), np.float32)  # (b, t, h, d)
+    assert constrain(x, HEADS) is x
+
+    def placed(x, axes, mesh=mesh):
+        with jax.set_mesh(mesh):
+            return jax.jit(lambda x: constrain(x * 1.0, axes))(x).sharding
+
+    cases = [
+        (x, P("data", None, "model", None)),  # (b, t, h, d)
+        (np.ones((2, 4, 3, 8, 2), np.float32), P("data", None, None, "model", None)),
+        (np.ones((3, 8, 2), np.float32), P(None, "model", None)),  # unbatched: no data
+        (np.ones((3, 3, 8, 2), np.float32), P(None, None, "model", None)),  # b=3 odd
+        (np.ones((4, 3, 6, 2), np.float32), P("data", None, None, None)),  # h=6 odd
+    ]
+    for value, expected in cases:
+        got = placed(value, HEADS)
+        assert got.is_equivalent_to(NamedSharding(mesh, expected), value.ndim), value.shape
+    explicit = make_mesh((2, 4), kind="explicit")
+    x_data = jax.device_put(x, NamedSharding(explicit, P("data")))
+    got = placed(x_data, HEADS, explicit)
+    assert got.is_equivalent_to(NamedSharding(explicit, P("data")), x.ndim), got
+
+
+def _scaling_out_block() -> str:
+    """The docs' "scaling out" example: the one Python block (README or ``docs/``) that calls
+    ``fa.shard(``."""
+    blocks = []
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        if path.exists():
+            found = re.findall(r"```python\n(.*?)```", path.read_text(), flags=re.S)
+            blocks += [b for b in found if "fa.shard(" in b]
+    assert blocks, "no Python block with fa.shard( in README.md or docs/"
+    return blocks[0]
+
+
+def test_the_docs_scaling_out_example_runs_and_shards_what_it_says():
+    namespace: dict = {}
+    exec(compile(_scaling_out_block(), "scaling out example", "exec"), namespace)
+    y, y_step, mha = namespace["y"], namespace["y_step"], namespace["mha"]
+    mesh, cache = namespace["mesh"], mha.cached_key[...]
+    assert y.shape == (8, 128, 64) and placed_as(y, mesh, P("data")), y.sharding
+    assert y_step.shape == (8, 1, 64)
+    assert placed_as(cache, mesh, HEADS_SPEC), cache.sharding
