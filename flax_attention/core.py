@@ -28,11 +28,17 @@ blocked       flash-style tiles with an online softmax, in JAX; tiles that the  
               causal mask removes entirely are skipped; memory ``O(t * block)``,
               gradients too (a custom VJP that recomputes the tiles); tile sizes
               from ``block_sizes`` (``kernels/blocked.py``)
+native        the same tiling as a C++ kernel called through ``jax.ffi``, CPU only,   no
+              float32/bfloat16 (computed in float32), forward and backward FFI
+              targets; dropout inside the tiles (``kernels/native/``)
 None          the fastest of these for the backend and shape (``select_implementation``)
 ============  =====================================================================  ========
 
-Only ``reference`` returns the weights and applies dropout to them; asking another
-implementation for either is a ``ValueError`` (``None`` picks ``reference`` then).
+Only ``reference`` returns the weights. Dropout: ``reference`` applies the layer's
+``nnx.Dropout`` to the weights; ``native`` regenerates a keep-mask per tile from a counter-based
+hash of (seed, batch, head, query, key) (``kernels/dropout_hash.py``), the seed drawn from the
+dropout's own RNG stream, so training stays ``O(t)`` in memory. Asking another implementation
+for weights or active dropout is a ``ValueError`` (``None`` picks one that can).
 
 What is masked, and with what, is one ``AttentionMask`` (``flax_attention.masking``) built once
 per call from ``is_causal``, ``query_offset``, ``mask`` and ``fill_value``; every implementation
@@ -56,6 +62,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from flax_attention.axes import explicit_mesh
+from flax_attention.kernels import native
 from flax_attention.kernels.blocked import BlockSizes, blocked_attention
 from flax_attention.kernels.jax_nn import jax_nn_attention
 from flax_attention.masking import AttentionMask, causal_mask
@@ -72,7 +79,7 @@ __all__ = [
 ]
 
 #: The ``implementation`` names (``None`` picks one, ``select_implementation``).
-Implementation = Literal["reference", "xla", "cudnn", "blocked"]
+Implementation = Literal["reference", "xla", "cudnn", "blocked", "native"]
 
 #: The ``implementation`` values every causal layer and ``MultiHeadedAttention`` accept.
 IMPLEMENTATIONS = (None, *typing.get_args(Implementation))
@@ -139,16 +146,30 @@ def select_implementation(
     - weights asked for, or dropout active: ``reference`` (the only one that has both);
     - GPU and TPU: ``xla`` (XLA's fused attention; ``cudnn`` is opt-in, it takes half
       precision only and is not yet measured here);
-    - CPU: ``blocked`` from ``blocked_min_scores`` score entries per head (it skips the causal
-      half and never materialises the scores), ``reference`` below.
+    - CPU: from ``blocked_min_scores`` score entries per head (the tiled kernels skip the causal
+      half and never materialise the scores), ``native`` where it is built and the inputs are
+      float32 or bfloat16 (``native.why_unavailable()`` says why not), else ``blocked``;
+      ``reference`` below the threshold;
+    - dropout active: ``native`` where it would run anyway (it applies ``nnx.Dropout``'s rate
+      inside its tiles), else ``reference``.
     """
-    if need_weights or _dropout_active(dropout):
+    if need_weights:
         return "reference"
+    tiled = (
+        jax.default_backend() == "cpu" and queries.shape[-3] * keys.shape[-3] >= blocked_min_scores
+    )
+    use_native = tiled and native.available() and _native_dtype(queries, keys)
+    if _dropout_active(dropout):
+        return "native" if use_native and isinstance(dropout, nnx.Dropout) else "reference"
     if jax.default_backend() != "cpu":
         return "xla"
-    if queries.shape[-3] * keys.shape[-3] >= blocked_min_scores:
-        return "blocked"
-    return "reference"
+    if use_native:
+        return "native"
+    return "blocked" if tiled else "reference"
+
+
+def _native_dtype(*arrays) -> bool:
+    return all(x.dtype in (jnp.float32, jnp.bfloat16) for x in arrays)
 
 
 def dot_product_attention(
@@ -202,10 +223,12 @@ def dot_product_attention(
                 f"implementation ({implementation!r}) must be 'reference' (or None) to return "
                 "attention weights (need_weights=False for the others)"
             )
-        if _dropout_active(dropout):
+        if _dropout_active(dropout) and not (
+            implementation == "native" and isinstance(dropout, nnx.Dropout)
+        ):
             raise ValueError(
-                f"implementation ({implementation!r}) must be 'reference' (or None) while "
-                "dropout is active (call .eval(), or use implementation=None)"
+                f"implementation ({implementation!r}) must be 'reference', 'native' or None "
+                "while dropout is active (call .eval(), or use implementation=None)"
             )
     # The one description of what is hidden, consumed by every implementation.
     attention_mask = AttentionMask.build(
@@ -229,8 +252,7 @@ def dot_product_attention(
 
     def run_auto(queries, keys, values, keep, query_offset, dropout_key):
         inside = attention_mask.replace(keep=keep, query_offset=query_offset)
-        drop = dropout if dropout_key is None else functools.partial(dropout, rngs=dropout_key)
-        context_vec, attn_weights = run(drop, queries, keys, values, inside)
+        context_vec, attn_weights = run(dropout, queries, keys, values, inside, dropout_key)
         return (context_vec, attn_weights) if need_weights else context_vec
 
     out_sharding = _out_shardings(queries, values, need_weights)
@@ -240,14 +262,40 @@ def dot_product_attention(
     return out if need_weights else (out, None)
 
 
-def _dispatch(implementation, precision, blocks, dropout, queries, keys, values, attention_mask):
-    """Run ``implementation``: ``(context_vec, attn_weights or None)``."""
+def _dispatch(
+    implementation, precision, blocks, dropout, queries, keys, values, attention_mask, key=None
+):
+    """Run ``implementation``: ``(context_vec, attn_weights or None)``. ``key``: the dropout's
+    random key when drawn outside (explicit meshes), else the dropout draws its own."""
     match implementation:
         case "reference":
+            if key is not None:
+                dropout = functools.partial(dropout, rngs=key)
             return _reference(queries, keys, values, attention_mask, dropout, precision)
         case "blocked":
             context_vec = blocked_attention(
                 queries, keys, values, attention_mask, precision=precision, block_sizes=blocks
+            )
+            return context_vec, None
+        case "native":
+            if jax.default_backend() != "cpu" or not native.available():
+                reason = native.why_unavailable() or f"the backend is {jax.default_backend()!r}"
+                raise ValueError(
+                    f"implementation ('native') must run on the CPU with the kernel built "
+                    f"({reason}; use 'blocked')"
+                )
+            rate, seed = 0.0, None
+            if _dropout_active(dropout):
+                key = dropout.rngs() if key is None else key
+                rate, seed = dropout.rate, jax.random.bits(key, dtype=jnp.uint32)
+            context_vec = native.native_attention(
+                queries,
+                keys,
+                values,
+                attention_mask,
+                precision=precision,
+                dropout_rate=rate,
+                dropout_seed=seed,
             )
             return context_vec, None
         case "xla" | "cudnn":

@@ -25,10 +25,11 @@ import flax_attention as fa
 import flax_attention.core as core
 from conformance_tests import harness, spec
 from conformance_tests.tolerances import tolerance
-from flax_attention.kernels import blocked
+from flax_attention.kernels import blocked, native
 
 CPU = harness.backends(["cpu"])[0]
-FAST = ("xla", "blocked")
+#: The faster implementations on this machine: ``native`` where its kernel is built here.
+FAST = ("xla", "blocked", *(("native",) if native.available() else ()))
 LAYERS = ("CausalAttention", "MultiHeadAttentionWrapper", "MultiHeadAttention")
 CASES = [
     c
@@ -196,7 +197,7 @@ def test_causal_fully_masked_row_attends_to_its_first_key_only():
     """With ``is_causal`` and a mask that hides all of row 0, the causal exclusion (``-inf``)
     still holds: the only key left is key 0 at ``fill_value``, so row 0's output is ``v[0]``."""
     q, k, v, mask, _ = _core_inputs((1,), 5, 5, 1, 4, 4, "row0")
-    for impl in ("reference", "xla", "blocked"):
+    for impl in ("reference", *FAST):
         out, _ = core.dot_product_attention(
             q,
             k,
@@ -267,19 +268,24 @@ def test_implementations_reject_what_they_cannot_do():
         fa.MultiHeadedAttention(2, 4, 0.0, implementation="xla", rngs=nnx.Rngs(0))
 
 
-def test_none_picks_reference_for_weights_and_dropout_and_blocked_for_long_inputs():
+def test_none_picks_reference_for_weights_and_a_tiled_kernel_for_long_inputs():
     short, long = jnp.ones((1, 8, 1, 2)), jnp.ones((1, 512, 1, 2))
     dropout = nnx.Dropout(0.5, rngs=nnx.Rngs(0))
+    tiled = "native" if native.available() else "blocked"
     assert core.select_implementation(long, long, need_weights=True) == "reference"
-    assert core.select_implementation(long, long, dropout=dropout) == "reference"
-    dropout.eval()
-    if jax.default_backend() == "cpu":
-        assert core.select_implementation(long, long, dropout=dropout) == "blocked"
+    if jax.default_backend() == "cpu":  # dropout inside native's tiles, else reference's
+        expected = "native" if native.available() else "reference"
+        assert core.select_implementation(long, long, dropout=dropout) == expected
+        assert core.select_implementation(long, long, dropout=lambda w: w) == "reference"
+        assert core.select_implementation(short, short, dropout=dropout) == "reference"
+        dropout.eval()
+        assert core.select_implementation(long, long, dropout=dropout) == tiled
         assert core.select_implementation(short, short) == "reference"
+        assert core.select_implementation(long.astype(jnp.float16), long) == "blocked"
 
 
 def test_train_mode_dropout_still_works_with_the_default_implementation():
-    """Dropout lives in ``reference``: ``None`` picks it in train mode, whatever the length."""
+    """Dropout lives in ``reference`` and ``native``: ``None`` picks one in train mode."""
     layer = fa.MultiHeadAttention(8, 8, 128, 0.5, 2, rngs=nnx.Rngs(0))
     x = jnp.asarray(np.random.default_rng(0).standard_normal((1, 128, 8)), jnp.float32)
     layer.eval()

@@ -25,6 +25,7 @@ import pytest
 
 import flax_attention.core as core
 from flax_attention.kernels import dropout_hash, native
+from flax_attention.masking import AttentionMask
 
 #: float32: both sides sum the same products in float32 in another order (errors seen: <= 2e-6).
 ATOL = 1e-5
@@ -109,16 +110,14 @@ def _reference(mask, is_causal, offset, fill, dropout=None):
 
 def _native(mask, is_causal, offset, fill, **kwargs):
     def fn(q, k, v, *traced):
-        return native.native_attention(
-            q,
-            k,
-            v,
+        attention_mask = AttentionMask.build(
             mask,
             is_causal=is_causal,
             query_offset=traced[0] if traced else offset,
             fill_value=fill,
-            **kwargs,
+            dtype=q.dtype,
         )
+        return native.native_attention(q, k, v, attention_mask, **kwargs)
 
     return fn
 
@@ -308,12 +307,13 @@ def test_shard_map_over_heads():
         import numpy as np, jax, jax.numpy as jnp
         from jax.sharding import Mesh, PartitionSpec as P
         from flax_attention.kernels import native
+        from flax_attention.masking import AttentionMask
         rng = np.random.default_rng(0)
         q, k, v = (jnp.asarray(rng.standard_normal((2, 33, 4, 16)), jnp.float32) for _ in "qkv")
         mesh = Mesh(np.array(jax.devices()[:2]), ("model",))
         spec = P(None, None, "model", None)
         def attend(q, k, v):
-            return native.native_attention(q, k, v, is_causal=True)
+            return native.native_attention(q, k, v, AttentionMask(is_causal=True))
         sharded = jax.jit(jax.shard_map(attend, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec))
         out = sharded(q, k, v)
         print(len(jax.devices()), float(jnp.abs(out - attend(q, k, v)).max()))

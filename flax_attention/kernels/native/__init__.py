@@ -4,8 +4,9 @@ Shape legend as in ``flax_attention.core``: ``b`` batch (leading axes, flattened
 query tokens, ``s`` key tokens, ``h`` heads, ``d`` features per head.
 
 ``native_attention`` takes and returns the layout of ``blocked_attention``:
-``(..., t, h, d_k), (..., s, h, d_k), (..., s, h, d_v) -> (..., t, h, d_v)``, with its
-semantics (causal tile skipping, the caller's keep-mask, ``fill_value``, ``query_offset``),
+``(..., t, h, d_k), (..., s, h, d_k), (..., s, h, d_v) -> (..., t, h, d_v)``, with the same
+``AttentionMask`` and semantics (causal tile skipping, the caller's keep-mask, its fill,
+the query offset),
 plus dropout inside the tiles (``dropout_hash``). Forward and backward are two FFI targets under
 one ``jax.custom_vjp``; the backward recomputes the tiles from the saved row max ``m`` and
 denominator ``l``. The BLAS is scipy-openblas32 (single-threaded per call), the parallelism
@@ -27,6 +28,7 @@ sees only its heads).
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import os
 import pathlib
@@ -36,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flax_attention.kernels import dropout_hash
+from flax_attention.masking import AttentionMask, flatten_mask
 
 __all__ = ["available", "why_unavailable", "native_attention"]
 
@@ -88,28 +91,24 @@ def native_attention(
     queries,
     keys,
     values,
-    mask=None,
+    attention_mask: AttentionMask | None = None,
     *,
-    is_causal: bool = False,
-    query_offset=0,
-    fill_value=-jnp.inf,
     precision=None,
     dropout_rate: float = 0.0,
     dropout_seed=None,
     block_q: int = 0,
 ):
     """Flash-style attention in C++: ``(..., t, h, d_k), (..., s, h, d_k), (..., s, h, d_v)``
-    -> ``(..., t, h, d_v)``, equal to ``reference`` without its ``(t, s)`` scores in memory.
+    -> ``(..., t, h, d_v)``, with what ``attention_mask`` hides (``None``: nothing); equal to
+    ``reference`` without its ``(t, s)`` scores in memory.
 
     Args:
       queries, keys, values: float32 or bfloat16, layout as above.
-      mask: broadcastable to ``(..., h, t, s)``; ``True`` keeps a score, ``False`` fills it
-        with ``fill_value``.
-      is_causal: query ``i`` sees keys ``j <= query_offset + i`` only (the others are ``-inf``
-        and their key tiles are never computed).
-      query_offset: absolute position of query 0; an int or a traced int32 scalar.
-      fill_value: ``-inf`` (a fully masked row is NaN, as softmax) or document 001's ``-1e10``
-        (a fully masked row is uniform over the keys causality leaves).
+      attention_mask: the core's one description of what is hidden
+        (``flax_attention.masking.AttentionMask``): the caller's keep-mask, its fill (``-inf``:
+        a fully masked row is NaN, as softmax; document 001's ``-1e10``: uniform over the keys
+        causality leaves), causality (hidden keys are ``-inf`` and their key tiles are never
+        computed) and the query offset (an int or a traced int32 scalar).
       precision: accepted for the common signature; the kernel computes in float32.
       dropout_rate: dropout on the weights inside the tiles, kept weights scaled by
         ``1 / (1 - rate)``; the keep-mask is ``dropout_hash.keep_mask(dropout_seed, ...)``.
@@ -126,53 +125,49 @@ def native_attention(
         raise ValueError(
             f"dropout_seed (None) must be given when dropout_rate ({dropout_rate}) > 0"
         )
+    if attention_mask is None:
+        attention_mask = AttentionMask()
     lead, (t, h, _), s = queries.shape[:-3], queries.shape[-3:], keys.shape[-3]
     dtype = queries.dtype
     q, k, v = (x.reshape(-1, *x.shape[-3:]).astype(jnp.float32) for x in (queries, keys, values))
-    has_mask = mask is not None
-    if has_mask:
-        mask = _flatten_mask(jnp.asarray(mask, bool), lead, h, t, s)  # (B|1, h|1, t|1, s|1)
-    else:
-        mask = jnp.ones((1, 1, 1, 1), bool)  # not read by the kernel
+    keep = attention_mask.keep
+    if keep is not None:
+        keep = flatten_mask(keep, lead, h, t, s)  # (B|1, h|1, t|1, s|1)
     config = _Config(
-        bool(is_causal),
-        has_mask,
-        float(fill_value),
-        dropout_hash.threshold(dropout_rate),
-        1.0 / (1.0 - dropout_rate),
-        int(block_q),
+        is_causal=bool(attention_mask.is_causal),
+        has_mask=keep is not None,
+        fill_value=float(attention_mask.fill_value),
+        drop_threshold=dropout_hash.threshold(dropout_rate),
+        drop_scale=1.0 / (1.0 - dropout_rate),
+        block_q=int(block_q),
     )
-    offset = jnp.asarray(query_offset, jnp.int32)
+    if keep is None:
+        keep = jnp.ones((1, 1, 1, 1), bool)  # not read by the kernel
+    offset = jnp.asarray(attention_mask.query_offset, jnp.int32)
     seed = jnp.asarray(0 if dropout_seed is None else dropout_seed, jnp.uint32)
-    out = _native(config, q, k, v, mask, offset, seed)  # (B, t, h, d_v) float32
+    out = _native(config, q, k, v, keep, offset, seed)  # (B, t, h, d_v) float32
     return out.astype(dtype).reshape(*lead, *out.shape[1:])
 
 
-def _flatten_mask(mask, lead, h, t, s):
-    """A mask broadcastable to ``(..., h, t, s)`` as ``(B|1, h|1, t|1, s|1)``."""
-    mask = mask.reshape((1,) * (len(lead) + 3 - mask.ndim) + mask.shape)
-    if any(m != 1 for m in mask.shape[:-3]):
-        mask = jnp.broadcast_to(mask, (*lead, *mask.shape[-3:]))
-    return mask.reshape(-1, *mask.shape[-3:])
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    """Static settings of one call (hashable, for ``nondiff_argnums``): the kernels' attributes."""
 
+    is_causal: bool
+    has_mask: bool
+    fill_value: float
+    drop_threshold: int
+    drop_scale: float
+    block_q: int
 
-class _Config(tuple):
-    """Static settings of one call (hashable, for ``nondiff_argnums``), the kernels' attributes."""
-
-    def __new__(cls, is_causal, has_mask, fill_value, drop_threshold, drop_scale, block_q):
-        return super().__new__(
-            cls, (is_causal, has_mask, fill_value, drop_threshold, drop_scale, block_q)
-        )
-
-    def attributes(self):
-        is_causal, has_mask, fill_value, drop_threshold, drop_scale, block_q = self
+    def attributes(self) -> dict:
         return dict(
-            is_causal=is_causal,
-            has_mask=has_mask,
-            fill_value=np.float32(fill_value),
-            drop_threshold=np.uint32(drop_threshold),
-            drop_scale=np.float32(drop_scale),
-            block_q=np.int64(block_q),
+            is_causal=self.is_causal,
+            has_mask=self.has_mask,
+            fill_value=np.float32(self.fill_value),
+            drop_threshold=np.uint32(self.drop_threshold),
+            drop_scale=np.float32(self.drop_scale),
+            block_q=np.int64(self.block_q),
         )
 
 
