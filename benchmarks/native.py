@@ -1,13 +1,11 @@
 """The native CPU kernel against torch SDPA and ``blocked``: ratios of medians in one run.
 
-``python -m benchmarks.native`` prints, for GPT-2 small (d 768, 12 heads, head dim 64, causal)
-at b8 t256, b8 t1024 and b1 t4096, the attention core alone (``(b, t, h, d)`` in and out) and
-the whole ``MultiHeadAttention`` module, forward and forward+backward, each as a time and a
-ratio to torch's ``scaled_dot_product_attention(is_causal=True)``; then the peak memory growth
-of a training step with dropout 0.1 at t8192 b1 through the kernel (a subprocess per number).
-
-The module runs ``implementation="blocked"`` with the core's ``blocked_attention`` replaced by
-the native kernel for the native rows (the layers do not name the kernel yet).
+``python -m benchmarks.native`` prints, for GPT-2 small's attention (12 heads, head dim 64,
+causal) at b8 t256, b8 t1024 and b1 t4096, the attention core alone (``(b, t, h, d)`` in and
+out), forward and forward+backward, each as a time and a ratio to torch's
+``scaled_dot_product_attention(is_causal=True)``; then the peak memory growth of a training step
+with dropout 0.1 at t8192 b1 through the kernel (a subprocess). The whole ``MultiHeadAttention``
+with ``implementation="native"`` is in ``python -m benchmarks`` (the speed section).
 """
 
 from __future__ import annotations
@@ -43,9 +41,11 @@ def _core_calls(batch, tokens):
     import torch
     import torch.nn.functional as F
 
-    import flax_attention.core as core
+    from flax_attention.kernels.blocked import blocked_attention
     from flax_attention.kernels.native import native_attention
+    from flax_attention.masking import AttentionMask
 
+    CAUSAL = AttentionMask(is_causal=True)  # noqa: N806
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((batch, tokens, HEADS, HEAD_DIM), np.float32) for _ in "qkv")
     tq, tk, tv = (torch.from_numpy(x).transpose(1, 2).contiguous() for x in (q, k, v))
@@ -60,8 +60,8 @@ def _core_calls(batch, tokens):
         F.scaled_dot_product_attention(*tg, is_causal=True).sum().backward()
 
     kernels = {
-        "native": lambda q, k, v: native_attention(q, k, v, is_causal=True),
-        "blocked": lambda q, k, v: core.blocked_attention(q, k, v, is_causal=True),
+        "native": lambda q, k, v: native_attention(q, k, v, CAUSAL),
+        "blocked": lambda q, k, v: blocked_attention(q, k, v, CAUSAL),
     }
     forward = {"sdpa": sdpa}
     backward = {"sdpa": sdpa_backward}
@@ -73,53 +73,15 @@ def _core_calls(batch, tokens):
     return forward, backward
 
 
-def _module_calls(batch, tokens):
-    import jax
-    import torch
-    from flax import nnx
-
-    import flax_attention.core as core
-    from benchmarks.models import make_modules, random_input
-    from flax_attention.kernels.native import native_attention
-
-    _, sdpa, module = make_modules(context_length=max(1024, tokens))
-    x = random_input(batch, tokens)
-    xt = torch.from_numpy(x)
-    blocked = core.blocked_attention
-
-    def native(q, k, v, mask=None, *, block_size=None, **kwargs):
-        return native_attention(q, k, v, mask, **kwargs)
-
-    def sdpa_forward():
-        with torch.no_grad():
-            sdpa(xt)
-
-    def sdpa_backward():
-        sdpa.zero_grad()
-        sdpa(xt.requires_grad_()).sum().backward()
-
-    forward, backward = {"sdpa": sdpa_forward}, {"sdpa": sdpa_backward}
-    module.implementation = "blocked"
-    graphdef, params, rest = nnx.split(module, nnx.Param, ...)
-    for name, kernel in (("native", native), ("blocked", blocked)):
-        core.blocked_attention = kernel  # read when the jitted functions trace (just below)
-        f = jax.jit(lambda p, x: nnx.merge(graphdef, p, rest)(x))
-        g = jax.jit(jax.grad(lambda p, x: nnx.merge(graphdef, p, rest)(x).sum(), (0, 1)))
-        f(params, x).block_until_ready(), jax.block_until_ready(g(params, x))
-        forward[name] = lambda f=f: f(params, x).block_until_ready()
-        backward[name] = lambda g=g: jax.block_until_ready(g(params, x))
-    core.blocked_attention = blocked
-    return forward, backward
-
-
 _MEMORY = """
 import json, numpy as np, jax, jax.numpy as jnp
 from flax_attention.kernels.native import native_attention
+from flax_attention.masking import AttentionMask
 t, h, d = {tokens}, {heads}, {head_dim}
 rng = np.random.default_rng(0)
 q, k, v = (jnp.asarray(rng.standard_normal((1, t, h, d)), jnp.float32) for _ in "qkv")
 def loss(q, k, v):
-    out = native_attention(q, k, v, is_causal=True, dropout_rate=0.1, dropout_seed=0)
+    out = native_attention(q, k, v, AttentionMask(is_causal=True), dropout_rate=0.1, dropout_seed=0)
     return (out * out).sum()
 step = jax.jit(jax.grad(loss, (0, 1, 2)))
 def status(field):  # kB
@@ -152,7 +114,7 @@ def main(argv=None):
     torch.set_num_threads(2)
     rows = []
     for batch, tokens in SHAPES:
-        for level, make in (("core", _core_calls), ("module", _module_calls)):
+        for level, make in (("core", _core_calls),):
             forward, backward = make(batch, tokens)
             for mode, fns in (("fwd", forward), ("fwd+bwd", backward)):
                 ms = _median_ms(fns, args.repeats)

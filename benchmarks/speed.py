@@ -20,6 +20,7 @@ import flax_attention as fa
 from benchmarks.models import make_modules, random_input
 from benchmarks.rows import make_row, max_diffs
 from benchmarks.timing import interleaved
+from flax_attention.kernels import native
 
 __all__ = ["flax_implementations", "plan_calls", "run"]
 
@@ -30,6 +31,8 @@ TOLERANCE = 1e-4
 def flax_implementations() -> list[str | None]:
     """Every implementation that runs on the default backend (``None`` = the default)."""
     impls: list[str | None] = ["reference", "xla", "blocked"]
+    if jax.default_backend() == "cpu" and native.available():
+        impls.append("native")
     if jax.default_backend() == "gpu":
         impls.append("cudnn")
     return [*impls, None]
