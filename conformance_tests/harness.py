@@ -7,8 +7,8 @@ tensor. The parts, one concern each:
 
 | module | what |
 |---|---|
-| ``layers.py`` | every layer described once as data (``LayerSpec``): inputs, mask, outputs, dropout |
-| ``backends.py`` | ``Backend``, ``backends()``, meshes; numerics set per check and restored on exit |
+| ``layers.py`` | each layer once, as data (``LayerSpec``): inputs, mask, outputs, dropout |
+| ``backends.py`` | ``Backend``, ``backends()``, meshes; numerics set per check, then restored |
 | ``pairs.py`` | the one pair builder, inputs and masks, calling both sides, ``Subject`` |
 | ``compare.py`` | ``Row``, ``compare`` (the pass rule) |
 | ``optimisers.py`` | torch and optax optimisers with matched hyperparameters (Adam as torch's) |

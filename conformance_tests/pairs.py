@@ -112,33 +112,49 @@ def constructor_args(case: Case, dropout: float | None = None) -> tuple:
 
 def build_pair(
     case: Case,
-    workdir: str,
+    workdir: str | None,
     *,
     dropout: float | None = None,
     dtype="float32",
     dropout_seed=None,
     mesh=None,
+    distinct_clones: bool = False,
+    abstract: bool = False,
 ):
     """torch makes the weights from ``case.seed``; both sides load them from one safetensors file.
 
     Returns ``(torch_module, flax_module)`` in eval mode, or the two functions for a function case.
     With a ``mesh``, the Flax module is placed on it by ``flax_attention.shard``.
+
+    For the tests: ``workdir=None`` hands the weights over in memory (``load_state_dict``)
+    instead of through a file; ``distinct_clones`` re-initialises the sublayers that the torch
+    constructor deep-copies (``LayerSpec.equal_clones``: document 001's four projections start
+    equal), so each has its own weights; ``abstract`` builds the Flax side with
+    ``nnx.eval_shape`` (no initialisation to compile: every weight comes from torch; eval only,
+    its dropout has no key to draw from).
     """
     if case.is_function:
         return getattr(tr, case.layer), getattr(fa, case.layer)
     args = constructor_args(case, dropout)
     torch.manual_seed(case.seed)
     torch_module = getattr(tr, case.layer)(*args).eval()
-    path = os.path.join(workdir, f"{case.name}.safetensors")
-    torch_save_file(torch_module.state_dict(), path)
-    flax_module = getattr(fa, case.layer)(
-        *args,
-        dtype=DTYPES[dtype],
-        rngs=nnx.Rngs(
-            params=case.seed, dropout=case.seed if dropout_seed is None else dropout_seed
-        ),
-    )
-    fa.load_file(flax_module, path, strict=True)
+    clones = case.layer_spec.equal_clones
+    if distinct_clones and clones is not None:
+        for clone in getattr(torch_module, clones):
+            clone.reset_parameters()
+    rngs = dict(params=case.seed, dropout=case.seed if dropout_seed is None else dropout_seed)
+
+    def make_flax():
+        return getattr(fa, case.layer)(*args, dtype=DTYPES[dtype], rngs=nnx.Rngs(**rngs))
+
+    flax_module = nnx.eval_shape(make_flax) if abstract else make_flax()
+    if workdir is None:
+        state = {k: v.numpy() for k, v in torch_module.state_dict().items()}
+        fa.load_state_dict(flax_module, state, strict=True)
+    else:
+        path = os.path.join(workdir, f"{case.name}.safetensors")
+        torch_save_file(torch_module.state_dict(), path)
+        fa.load_file(flax_module, path, strict=True)
     flax_module.eval()
     if mesh is not None:
         fa.shard(flax_module, mesh)

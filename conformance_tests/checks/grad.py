@@ -69,9 +69,9 @@ def flax_grads(described, fm, inputs, mask, cotangents, *, jit=False) -> dict:
     """
     cotangents = [jnp.asarray(c) for c in cotangents]
     if described.layer_spec.is_function:
-        g_inputs = jax.grad(
-            lambda xs: _loss_of(call_flax(described, fm, xs, mask), cotangents)
-        )(list(inputs))
+        g_inputs = jax.grad(lambda xs: _loss_of(call_flax(described, fm, xs, mask), cotangents))(
+            list(inputs)
+        )
         return {f"input.{i}": g for i, g in enumerate(g_inputs)}
     graphdef, params, rest = nnx.split(fm, nnx.Param, ...)
     if jit:

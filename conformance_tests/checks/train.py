@@ -106,7 +106,9 @@ def _check_shift_invariant(subject: Subject, backend, dtype) -> list[Row]:
     with torch.no_grad():
         before_t = call_torch(subject, tm, t_inputs, t_mask)[0]
     before_f = call_flax(subject, fm, f_inputs, f_mask)[0]
-    shifted = {n: rng(subject, f"shift/{n}").standard_normal(tuple(t_grads[n].shape)) for n in names}
+    shifted = {
+        n: rng(subject, f"shift/{n}").standard_normal(tuple(t_grads[n].shape)) for n in names
+    }
     with torch.no_grad():
         params = dict(tm.named_parameters())
         for n, v in shifted.items():
