@@ -39,6 +39,7 @@ __all__ = [
     "call_flax",
     "call_torch",
     "constructor_args",
+    "export_of",
     "flax_forward",
     "make_inputs",
     "make_mask",
@@ -282,6 +283,9 @@ class Subject:
       call_args: trailing positional call arguments (a function's).
       dropout: the rate the dropout check builds the pair with.
       forward_key: the tolerance entry of the float32 forward check.
+      export: ``flax_module -> {torch name: array}``, the names the torch side's parameters
+        have (``flax_attention.state_dict``; another layout for a user's own pair).
+      load: ``(flax_module, {torch name: array}) -> None``, loading some of them (non-strict).
     """
 
     name: str
@@ -294,6 +298,13 @@ class Subject:
     seed: int = 0
     dropout: float = 0.0
     forward_key: str = "forward"
+    export: Callable = fa.state_dict
+    load: Callable = functools.partial(fa.load_state_dict, strict=False)
+
+
+def export_of(described) -> Callable:
+    """How ``described`` names the Flax side's parameters as torch's (a case: the documents')."""
+    return getattr(described, "export", fa.state_dict)
 
 
 def subject_of(case: Case, workdir: str) -> Subject:

@@ -11,9 +11,16 @@ import numpy as np
 import torch
 from flax import nnx
 
-import flax_attention as fa
 from conformance_tests.compare import Row, make_row, to_numpy
-from conformance_tests.pairs import Subject, call_flax, call_torch, prepare, rng, torch_on
+from conformance_tests.pairs import (
+    Subject,
+    call_flax,
+    call_torch,
+    export_of,
+    prepare,
+    rng,
+    torch_on,
+)
 
 __all__ = ["check_grad", "flax_grads", "torch_grads"]
 
@@ -84,7 +91,7 @@ def flax_grads(described, fm, inputs, mask, cotangents, *, jit=False) -> dict:
             described, graphdef, params, rest, list(inputs), mask, cotangents
         )
     grads = {f"input.{i}": g for i, g in enumerate(g_inputs)}
-    by_name = fa.state_dict(nnx.merge(graphdef, g_params, rest))
+    by_name = export_of(described)(nnx.merge(graphdef, g_params, rest))
     grads.update({n: v for n, v in by_name.items() if not n.endswith("mask")})  # no buffers
     return grads
 
