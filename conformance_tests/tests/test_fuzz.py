@@ -7,7 +7,7 @@ attention), the dtype the Flax side computes in and, for ``MultiHeadedAttention`
 causal ``(1, t, s)`` or ``(b, t, s)``, padding ``(b, 1, s)``; float or bool). torch makes the
 weights; the Flax layer loads the same ones through ``flax_attention.load_state_dict``. Inputs are
 standard normal from the drawn seed (the harness's ``make_inputs``), so the examples probe shapes
-and configurations, not pathological numbers (those are in ``test_robustness.py``).
+and configurations, not pathological numbers (those are in ``test_numerics.py``).
 
 The profiles (``ci``, derandomised; ``dev``, 10x the examples) are in
 ``conformance_tests/conftest.py``. Tolerances are ``conformance_tests/tolerances.py``'s,

@@ -252,8 +252,8 @@ def test_shared_names_and_checks_are_identical():
         assert "import jax" not in path.read_text(), path
 
 
-# Bad arguments and inputs: the matrix BAD_INPUTS in test_robustness.py (both packages, one
-# table, every message also listed in the README).
+# Bad arguments and inputs: the table BAD_INPUTS in bad_inputs.py (both packages, one
+# table, every message also listed in docs/errors.md).
 
 
 def test_eval_and_train_control_dropout_in_both():
