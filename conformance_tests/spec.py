@@ -3,8 +3,9 @@ benchmarks.
 
 A case names a layer or function of both packages, its positional constructor arguments, the
 shapes of its inputs (or the documents' own input), the mask, the checks that apply and the seed
-from which torch makes the weights. Tolerances are not here: they live in ``tolerances.py``,
-keyed by dtype and check.
+from which torch makes the weights. How to build and call each layer (its inputs, mask, outputs
+and dropout) is in ``layers.py``, once per layer; tolerances live in ``tolerances.py``, keyed by
+dtype and check; bad inputs in ``bad_inputs.py``.
 
 Masks (``MultiHeadedAttention`` and ``attention``; the causal family masks itself):
 
