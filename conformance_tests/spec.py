@@ -3,8 +3,9 @@ benchmarks.
 
 A case names a layer or function of both packages, its positional constructor arguments, the
 shapes of its inputs (or the documents' own input), the mask, the checks that apply and the seed
-from which torch makes the weights. Tolerances are not here: they live in ``tolerances.py``,
-keyed by dtype and check.
+from which torch makes the weights. How to build and call each layer (its inputs, mask, outputs
+and dropout) is in ``layers.py``, once per layer; tolerances live in ``tolerances.py``, keyed by
+dtype and check; bad inputs in ``bad_inputs.py``.
 
 Masks (``MultiHeadedAttention`` and ``attention``; the causal family masks itself):
 
@@ -19,28 +20,17 @@ from __future__ import annotations
 import fnmatch
 from dataclasses import dataclass, field
 
+from conformance_tests.layers import LAYER_SPECS, LayerSpec, layer_spec
+
 __all__ = ["Case", "CASES", "CHECKS", "LAYERS", "FUNCTIONS", "is_shift_invariant", "select"]
 
 #: Every check a case may run; each is a row kind of the report.
 CHECKS = ("forward", "grad", "train", "dropout", "mask", "dtype")
 
-#: Layers (classes with weights) and functions (no weights), by their shared name.
-LAYERS = (
-    "SelfAttention_v1",
-    "SelfAttention_v2",
-    "SelfAttention",
-    "CausalAttention",
-    "MultiHeadAttentionWrapper",
-    "MultiHeadAttention",
-    "MultiHeadedAttention",
-)
-FUNCTIONS = (
-    "softmax_naive",
-    "simplified_self_attention",
-    "causal_attn_weights_renormalized",
-    "causal_attn_weights_masked_fill",
-    "attention",
-)
+#: Layers (classes with weights) and functions (no weights), by their shared name, in the
+#: documents' order: the names of ``layers.LAYER_SPECS``, which says how to call each.
+LAYERS = tuple(name for name, layer in LAYER_SPECS.items() if not layer.is_function)
+FUNCTIONS = tuple(name for name, layer in LAYER_SPECS.items() if layer.is_function)
 
 #: The documents' 6-token input ``(6, 3)`` and its batch of two copies ``(2, 6, 3)``.
 DOCUMENTS = "documents"
@@ -75,8 +65,19 @@ class Case:
     tags: tuple[str, ...] = field(default=())
 
     @property
+    def layer_spec(self) -> LayerSpec:
+        """How to build and call ``layer`` (``layers.LAYER_SPECS``)."""
+        return layer_spec(self.layer)
+
+    @property
     def is_function(self) -> bool:
-        return self.layer in FUNCTIONS
+        return self.layer_spec.is_function
+
+    @property
+    def call_args(self) -> tuple:
+        """Trailing positional call arguments: a function's ``args`` (a layer's are its
+        constructor's)."""
+        return self.args if self.is_function else ()
 
     @property
     def uses_documents_input(self) -> bool:

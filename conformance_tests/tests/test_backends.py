@@ -9,6 +9,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
+import torch
 
 from conformance_tests import harness, spec
 from conformance_tests.tolerances import TOLERANCES, tolerance
@@ -69,3 +70,27 @@ def test_a_mesh_backend_runs_sharded_and_says_so(tmp_path):
     assert row.backend == "cpu[mesh 1x1]" and row.passed, row
     _, module = harness.build_pair(CASE, str(tmp_path), mesh=backend.mesh)
     assert module.W_query.kernel[...].sharding.mesh == backend.mesh
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_a_backend_scope_restores_torch_and_jax_settings_on_exit(strict):
+    """``Backend.scope`` sets torch's two TF32 switches, jax's default device and matmul
+    precision (and mesh) for the check, and puts every one back as it found it, also when the
+    check raises."""
+    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+    before_jax = jax.config.jax_default_matmul_precision
+    for found in (True, False):  # whatever the caller had, it gets back
+        matmul.allow_tf32 = cudnn.allow_tf32 = found
+        try:
+            with _backend("gpu", strict).scope():
+                assert matmul.allow_tf32 is cudnn.allow_tf32 is (not strict)
+                inside = jax.config.jax_default_matmul_precision
+                assert inside == ("highest" if strict else "default"), inside
+                raise RuntimeError("a failing check")
+        except RuntimeError:
+            pass
+        finally:
+            restored = (matmul.allow_tf32, cudnn.allow_tf32)
+            matmul.allow_tf32 = cudnn.allow_tf32 = False  # conftest's setting
+        assert restored == (found, found), f"TF32 switches {restored}, were {found}"
+        assert jax.config.jax_default_matmul_precision == before_jax

@@ -16,6 +16,7 @@ from flax import nnx
 import flax_attention as fa
 import torch_reference as tr
 from conformance_tests import documents as doc
+from conformance_tests import spec
 
 ATOL = doc.PRINTED_ATOL
 
@@ -90,11 +91,13 @@ def test_trainable_weights_seed123():
         assert torch.equal(getattr(sa_v1, name), locals()[name]), name
 
 
-LAYERS = [
-    ("SelfAttention_v1", 123, doc.SELF_ATTENTION_V1_SEED123),
-    ("SelfAttention_v2", 789, doc.SELF_ATTENTION_V2_SEED789),
-    ("SelfAttention", 123, doc.SELF_ATTENTION_SEED123),
-]
+#: The documents' printed outputs of the self-attention layers, by the spec case that runs them.
+PRINTED = {
+    "doc_v1_seed123": doc.SELF_ATTENTION_V1_SEED123,
+    "doc_v2_seed789": doc.SELF_ATTENTION_V2_SEED789,
+    "doc_selfattention_seed123": doc.SELF_ATTENTION_SEED123,
+}
+LAYERS = [(c.layer, c.seed, PRINTED[c.name]) for c in spec.CASES if c.name in PRINTED]
 
 
 @pytest.mark.parametrize(("layer", "seed", "printed"), LAYERS, ids=[n for n, _, _ in LAYERS])

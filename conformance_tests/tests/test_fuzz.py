@@ -7,7 +7,7 @@ attention), the dtype the Flax side computes in and, for ``MultiHeadedAttention`
 causal ``(1, t, s)`` or ``(b, t, s)``, padding ``(b, 1, s)``; float or bool). torch makes the
 weights; the Flax layer loads the same ones through ``flax_attention.load_state_dict``. Inputs are
 standard normal from the drawn seed (the harness's ``make_inputs``), so the examples probe shapes
-and configurations, not pathological numbers (those are in ``test_robustness.py``).
+and configurations, not pathological numbers (those are in ``test_numerics.py``).
 
 The profiles (``ci``, derandomised; ``dev``, 10x the examples) are in
 ``conformance_tests/conftest.py``. Tolerances are ``conformance_tests/tolerances.py``'s,
@@ -19,23 +19,23 @@ against torch in float32, as the spec's ``dtype`` check does.
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from flax import nnx
 from hypothesis import event, given, note, settings
 from hypothesis import strategies as st
 
-import flax_attention as fa
-import torch_reference as tr
 from conformance_tests import harness, spec
+from conformance_tests.layers import LAYER_SPECS
 from conformance_tests.tolerances import tolerance
 
 #: The groups every test runs (``pytest`` parameters, so each is always covered): every layer,
-#: and document 001's layer once per mask kind. Hypothesis draws the rest within a group.
-GROUPS = [(layer, None) for layer in spec.LAYERS if layer != "MultiHeadedAttention"] + [
-    ("MultiHeadedAttention", mask) for mask in (None, "causal", "padding")
+#: and each layer that takes the caller's mask once per mask kind. Hypothesis draws the rest
+#: within a group.
+GROUPS = [
+    (layer, mask)
+    for layer in spec.LAYERS
+    for mask in ((None, "causal", "padding") if LAYER_SPECS[layer].takes_mask else (None,))
 ]
 GROUP_IDS = [layer if mask is None else f"{layer}-{mask}" for layer, mask in GROUPS]
 
@@ -62,80 +62,34 @@ def cases(draw, layer, mask, dtypes=("float32", "bfloat16", "float16")) -> tuple
         num_tokens = draw(st.integers(2, context_length - 1))
     else:
         num_tokens = 1 if kind == "one" else context_length
-    if layer == "SelfAttention_v1":
-        args, inputs = (d_in, d_out), ((num_tokens, d_in),)
-    elif layer in ("SelfAttention_v2", "SelfAttention"):
-        args, inputs = (d_in, d_out, qkv_bias), ((num_tokens, d_in),)
-    elif layer == "CausalAttention":
-        args = (d_in, d_out, context_length, 0.0, qkv_bias)
-        inputs = ((batch, num_tokens, d_in),)
-    elif layer == "MultiHeadAttentionWrapper":
-        args = (d_in, head_dim, context_length, 0.0, num_heads, qkv_bias)
-        inputs = ((batch, num_tokens, d_in),)
-    elif layer == "MultiHeadAttention":
-        args = (d_in, d_out, context_length, 0.0, num_heads, qkv_bias)
-        inputs = ((batch, num_tokens, d_in),)
-    else:  # MultiHeadedAttention(num_heads, d_model, dropout): query, key, value (and mask)
+    layer_spec = LAYER_SPECS[layer]
+    sizes = {
+        "batch": batch,
+        "d_in": d_in,
+        "d_out": d_out,
+        "d_model": d_out,
+        "head_dim": head_dim,  # the wrapper's d_out: each head's width
+        "num_heads": num_heads,
+        "context_length": context_length,
+        "dropout": 0.0,
+        "qkv_bias": qkv_bias,
+    }
+    args = layer_spec.args_for(sizes)
+    kv_tokens = num_tokens
+    if layer_spec.key_inputs != (0,):  # cross-attention: a key length of its own
         kv_tokens = draw(st.one_of(st.just(num_tokens), st.integers(1, 8)))
-        args = (num_heads, d_out, 0.0)
-        q, kv = (batch, num_tokens, d_out), (batch, kv_tokens, d_out)
-        inputs = (q, kv, kv)
+    inputs = layer_spec.input_shapes(sizes, num_tokens, kv_tokens)
     name = f"fuzz_{layer}_{seed}"
     case = spec.Case(name, layer, args, inputs, mask=mask, checks=("forward",), seed=seed)
     return case, dtype
 
 
-def _torch_layer(case: spec.Case) -> torch.nn.Module:
-    torch.manual_seed(case.seed)
-    module = getattr(tr, case.layer)(*case.args).eval()
-    if case.layer == "MultiHeadedAttention":  # clones start equal: make W^Q, W^K, W^V, W^O differ
-        for proj in module.proj_weights:
-            proj.reset_parameters()
-    return module
-
-
 def _pair(case: spec.Case, dtype: str):
-    """The torch layer and a Flax layer computing in ``dtype`` with the same weights.
-
-    The Flax layer is an ``nnx.eval_shape`` skeleton (no initialisation: the weights come from
-    torch), which saves an XLA compilation of the initialisers for every new shape.
-    """
-    tm = _torch_layer(case)
-    layer = getattr(fa, case.layer)
-    fm = nnx.eval_shape(lambda: layer(*case.args, dtype=harness.DTYPES[dtype], rngs=nnx.Rngs(0)))
-    fa.load_state_dict(fm, {k: v.numpy() for k, v in tm.state_dict().items()}, strict=True)
-    fm.eval()
-    return tm, fm
-
-
-def _flax_forward(case, fm, inputs, mask):
-    """``harness.call_flax`` under one ``jax.jit`` (one compilation instead of one per op)."""
-    graphdef, params, rest = nnx.split(fm, nnx.Param, ...)
-
-    @jax.jit
-    def run(params, inputs, mask):
-        return harness.call_flax(case, nnx.merge(graphdef, params, rest), inputs, mask)
-
-    return run(params, inputs, mask)
-
-
-def _flax_grads(case, fm, inputs, mask, cotangents) -> dict:
-    """``harness.flax_grads`` under one ``jax.jit``: gradients by torch name and layout."""
-    graphdef, params, rest = nnx.split(fm, nnx.Param, ...)
-
-    @jax.jit
-    def grads(params, inputs, mask, cotangents):
-        def loss(params, inputs):
-            outputs = harness.call_flax(case, nnx.merge(graphdef, params, rest), inputs, mask)
-            return sum((o.astype(jnp.float32) * c).sum() for o, c in zip(outputs, cotangents))
-
-        return jax.grad(loss, argnums=(0, 1))(params, inputs)
-
-    g_params, g_inputs = grads(params, inputs, mask, [jax.device_put(c) for c in cotangents])
-    by_name = fa.state_dict(nnx.merge(graphdef, g_params, rest))
-    out = {f"input.{i}": g for i, g in enumerate(g_inputs)}
-    out.update({n: v for n, v in by_name.items() if not n.endswith("mask")})
-    return out
+    """The torch layer (document 001's cloned projections made distinct) and a Flax layer
+    computing in ``dtype`` with the same weights: ``harness.build_pair`` in memory, the Flax side
+    an ``nnx.eval_shape`` skeleton (no initialisation: the weights come from torch), which saves
+    an XLA compilation of the initialisers for every new shape."""
+    return harness.build_pair(case, None, dtype=dtype, distinct_clones=True, abstract=True)
 
 
 def _inputs(case: spec.Case, data) -> tuple[list[np.ndarray], np.ndarray | None]:
@@ -155,10 +109,11 @@ def _events(case, dtype, mask):
     """What the example covers, for ``--hypothesis-show-statistics``."""
     event(f"layer {case.layer}")
     event(f"dtype {dtype}")
-    if case.layer == "MultiHeadedAttention":
+    layer = case.layer_spec
+    if layer.takes_mask:
         event(f"mask {case.mask} {None if mask is None else (mask.shape, mask.dtype.name)}")
-    if case.layer in ("CausalAttention", "MultiHeadAttentionWrapper", "MultiHeadAttention"):
-        t, context_length = case.inputs[0][-2], case.args[2]
+    if layer.causal:
+        t, context_length = case.inputs[0][-2], case.args[layer.params.index("context_length")]
         event(
             "num_tokens "
             + ("1" if t == 1 else "== context_length" if t == context_length else "between")
@@ -192,7 +147,9 @@ def test_flax_forward_equals_torch(layer, mask, data):
         reference = harness.call_torch(case, tm, t_inputs, t_mask)
     # conversions in NumPy (ml_dtypes) and device_put: jnp.asarray compiles a jit per shape
     f_inputs = [jax.device_put(x.astype(harness.DTYPES[dtype])) for x in inputs]
-    actual = _flax_forward(case, fm, f_inputs, None if mask is None else jax.device_put(mask))
+    actual = harness.flax_forward(
+        case, fm, f_inputs, None if mask is None else jax.device_put(mask)
+    )
     names = harness.output_names(case)
     reference, actual = dict(zip(names, reference)), dict(zip(names, actual))
     for name, value in actual.items():
@@ -217,7 +174,8 @@ def test_flax_gradients_equal_torch(layer, mask, data):
     t_mask = None if mask is None else torch.from_numpy(np.asarray(mask))
     _, reference, cotangents = harness.torch_grads(case, tm, t_inputs, t_mask)
     f_mask = None if mask is None else jax.device_put(mask)
-    actual = _flax_grads(case, fm, [jax.device_put(x) for x in inputs], f_mask, cotangents)
+    f_inputs = [jax.device_put(x) for x in inputs]
+    actual = harness.flax_grads(case, fm, f_inputs, f_mask, cotangents, jit=True)
     assert set(actual) == set(reference), (
         f"gradients named differently: {set(actual) ^ set(reference)}"
     )

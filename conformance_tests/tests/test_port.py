@@ -16,31 +16,28 @@ from safetensors.torch import save_file as torch_save_file
 
 import flax_attention as fa
 import torch_reference as tr
+from conformance_tests.layers import LAYER_SPECS
+from conformance_tests.tests.helpers import LAYERS, small_case
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
-LAYERS = {
-    "SelfAttention_v1": ((5, 4), (7, 5)),
-    "SelfAttention_v2": ((5, 4, True), (7, 5)),
-    "CausalAttention": ((5, 4, 8, 0.0, True), (2, 7, 5)),
-    "MultiHeadAttentionWrapper": ((5, 4, 8, 0.0, 3, True), (2, 7, 5)),
-    "MultiHeadAttention": ((5, 6, 8, 0.0, 3, True), (2, 7, 5)),
-    "MultiHeadedAttention": ((2, 6, 0.0), (2, 7, 6)),
-}
+#: Every layer at the helpers' small sizes, from the spec's layer table.
+CASES = {name: small_case(name) for name in LAYERS}
 
 
 def _pair(name, seed=0):
-    args, shape = LAYERS[name]
+    case = CASES[name]
     torch.manual_seed(seed)
-    tm = getattr(tr, name)(*args).eval()
-    fm = getattr(fa, name)(*args, rngs=nnx.Rngs(seed))
+    tm = getattr(tr, name)(*case.args).eval()
+    fm = getattr(fa, name)(*case.args, rngs=nnx.Rngs(seed))
     fm.eval()
-    x = np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+    x = np.random.default_rng(seed).standard_normal(case.inputs[0]).astype(np.float32)
     return tm, fm, x
 
 
-def _call(fm, x):
-    return fm(x, x, x) if isinstance(fm, fa.MultiHeadedAttention) else fm(x)
+def _call(module, x):
+    """Self-attention: ``x`` is every input (query, key and value for document 001)."""
+    return module(*(x,) * len(LAYER_SPECS[type(module).__name__].inputs))
 
 
 @pytest.mark.parametrize("name", LAYERS)
@@ -54,11 +51,11 @@ def test_torch_file_flax_file_torch_is_bit_identical(name, tmp_path):
     assert set(back) == set(original)
     for key, value in original.items():
         assert torch.equal(back[key], value), f"{key} changed in the round trip"
-    fresh = getattr(tr, name)(*LAYERS[name][0])
+    fresh = getattr(tr, name)(*CASES[name].args)
     fresh.load_state_dict(back, strict=True)
     fresh.load_state_dict({k: torch.from_numpy(v) for k, v in fa.state_dict(fm).items()})
-    if name != "SelfAttention_v1":  # Linear weights are the transposed kernels
-        weight = next(k for k in original if k.endswith("weight"))
+    linear_weights = [k for k in original if k.endswith(".weight")]  # v1 holds bare matrices
+    for weight in linear_weights[:1]:  # a Linear weight is the transposed kernel
         module = fm
         for part in weight.split(".")[:-1]:
             module = module[int(part)] if part.isdigit() else getattr(module, part)
@@ -75,9 +72,9 @@ def test_failed_strict_load_names_every_key_and_changes_nothing():
     bad = {k: v.numpy().copy() for k, v in tm.state_dict().items()}
     del bad["W_query.bias"]  # missing
     bad["extra.weight"] = np.zeros(3, np.float32)  # unexpected
-    bad["W_key.weight"] = np.zeros((6, 4), np.float32)  # mis-shaped
+    bad["W_key.weight"] = bad["W_key.weight"].T.copy()  # mis-shaped (a Flax kernel's layout)
     bad["W_value.weight"][0, 0] = np.nan  # non-finite
-    bad["mask"] = np.zeros((8, 8), np.float32)  # not the causal mask of context_length 8
+    bad["mask"] = np.zeros_like(bad["mask"])  # not the causal mask of its context_length
     bad["out_proj.bias"] = np.array(["a"] * 6)  # non-numeric
     with pytest.raises(ValueError) as error:
         fa.load_state_dict(fm, bad)
@@ -137,7 +134,7 @@ def test_jit_equals_eager_and_does_not_retrace(name):
     graphdef, state = nnx.split(fm)
     pure = jax.jit(lambda state, x: _call(nnx.merge(graphdef, state), x))
     np.testing.assert_allclose(np.asarray(pure(state, x)), eager, rtol=0, atol=1e-6)
-    torch_out = tm(*(torch.from_numpy(x),) * (3 if name == "MultiHeadedAttention" else 1))
+    torch_out = _call(tm, torch.from_numpy(x))
     np.testing.assert_allclose(eager, torch_out.detach().numpy(), rtol=0, atol=1e-5)
 
 
@@ -255,8 +252,8 @@ def test_shared_names_and_checks_are_identical():
         assert "import jax" not in path.read_text(), path
 
 
-# Bad arguments and inputs: the matrix BAD_INPUTS in test_robustness.py (both packages, one
-# table, every message also listed in the README).
+# Bad arguments and inputs: the table BAD_INPUTS in bad_inputs.py (both packages, one
+# table, every message also listed in docs/errors.md).
 
 
 def test_eval_and_train_control_dropout_in_both():

@@ -3,15 +3,19 @@ and proof that every check can fail."""
 
 from __future__ import annotations
 
+import inspect
 import json
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import torch
 
 import flax_attention as fa
 import flax_attention.core as core
+import torch_reference as tr
 from conformance_tests import cli, harness, spec
+from conformance_tests.layers import LAYER_SPECS
 
 CPU = harness.backends(["cpu"])[0]
 PLAN = list(harness.planned(spec.CASES))
@@ -43,6 +47,41 @@ def test_every_case_name_is_unique_and_every_layer_covered():
     names = [c.name for c in spec.CASES]
     assert len(names) == len(set(names))
     assert {c.layer for c in spec.CASES} == set(spec.LAYERS) | set(spec.FUNCTIONS)
+    assert set(spec.LAYERS) | set(spec.FUNCTIONS) == set(LAYER_SPECS)
+
+
+def test_every_layer_spec_matches_both_packages():
+    """The layer table says what the packages do: every name exists in both, the dropout rate
+    sits where ``dropout_arg`` says (named ``dropout``), the constructor takes as many
+    positional arguments as ``params`` names, and the outputs a call returns are counted."""
+    for name, layer in LAYER_SPECS.items():
+        for package in (tr, fa):
+            target = getattr(package, name)
+            if layer.is_function:
+                continue
+            params = list(inspect.signature(target.__init__).parameters)[1:]
+            if layer.dropout_arg is not None:
+                assert params[layer.dropout_arg] == "dropout", (name, package.__name__, params)
+            assert len(layer.params) <= len(params), (name, params)
+    first = {}  # one small case per layer: the call convention does not depend on sizes
+    for case in spec.CASES:
+        if "large" not in case.tags:
+            first.setdefault(case.layer, case)
+    assert set(first) == set(LAYER_SPECS)
+    for case in first.values():
+        tm, fm = harness.build_pair(case, None)
+        inputs = harness.make_inputs(case)
+        mask = harness.make_mask(case, inputs)
+        with torch.no_grad():
+            t_out = harness.call_torch(
+                case,
+                tm,
+                [torch.from_numpy(x) for x in inputs],
+                None if mask is None else torch.from_numpy(mask),
+            )
+        f_out = harness.call_flax(case, fm, [jnp.asarray(x) for x in inputs], mask)
+        names = case.layer_spec.output_names
+        assert len(t_out) == len(f_out) == len(names), (case.name, names)
 
 
 # ---- every check can fail ---------------------------------------------------------------------
@@ -78,6 +117,10 @@ def test_a_corrupted_weight_fails_the_report(corrupt_one_weight, tmp_path, check
     failed = [r for r in rows if not r["passed"]]
     assert failed, rows
     assert all(r["max_abs_err"] > r["tol"] for r in failed), failed
+    if check == "train":  # the parameter trajectory fails, not only the trained output
+        optimisers = [r for r in rows if r["check"] != "train/key_bias"]
+        assert optimisers and all(not r["passed"] for r in optimisers), optimisers
+        assert all("@" in r["worst"] for r in optimisers), [r["worst"] for r in optimisers]
 
 
 def test_a_wrong_scale_fails_the_report(monkeypatch, tmp_path):

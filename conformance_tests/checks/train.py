@@ -1,0 +1,122 @@
+"""The ``train`` check: 50 optimiser steps on both sides, parameters compared every 10 steps."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import torch
+from flax import nnx
+
+from conformance_tests.checks.grad import flax_grads, torch_grads
+from conformance_tests.compare import Row, make_row
+from conformance_tests.optimisers import OPTIMIZERS
+from conformance_tests.pairs import Subject, call_flax, call_torch, prepare, rng, to_torch, torch_on
+from conformance_tests.spec import is_shift_invariant
+
+__all__ = ["COMPARE_EVERY", "TRAIN_STEPS", "check_train"]
+
+TRAIN_STEPS = 50
+COMPARE_EVERY = 10
+
+
+def check_train(subject: Subject, backend, dtype="float32") -> list[Row]:
+    """50 optimiser steps on both sides; parameters compared every 10 steps, outputs at the end.
+
+    The objective regresses the layer's output onto a fixed random target (mean squared error).
+    Shift-invariant parameters (the key bias) are compared by their gradient (zero on both
+    sides) and their effect (none), in a row of their own.
+    """
+    rows = []
+    inputs, mask = subject.inputs, subject.mask
+    for opt_name, (make_torch_opt, make_optax) in OPTIMIZERS.items():
+        tm, fm = subject.make_pair(mesh=backend.mesh)
+        tm = torch_on(tm, backend.torch_device)
+        t_inputs, t_mask, f_inputs, f_mask = prepare(backend, inputs, mask)
+        with torch.no_grad():
+            out_shape = call_torch(subject, tm, t_inputs, t_mask)[0].shape
+        target = rng(subject, "target").standard_normal(tuple(out_shape)).astype(np.float32)
+        t_target = to_torch(target, backend.torch_device)
+
+        optimizer = make_torch_opt(tm.parameters())
+        reference, t_snapshots = {}, []
+        for step in range(1, TRAIN_STEPS + 1):
+            optimizer.zero_grad()
+            out = call_torch(subject, tm, t_inputs, t_mask)[0]
+            ((out - t_target) ** 2).mean().backward()
+            optimizer.step()
+            if step % COMPARE_EVERY == 0:
+                t_snapshots.append({n: p.detach().clone() for n, p in tm.named_parameters()})
+
+        graphdef, params, rest = nnx.split(fm, nnx.Param, ...)
+        tx = make_optax()
+        opt_state = tx.init(params)
+        f_target = jnp.asarray(target)
+
+        def loss_fn(params, graphdef=graphdef, rest=rest, f_target=f_target, xs=f_inputs, m=f_mask):
+            module = nnx.merge(graphdef, params, rest)
+            out = call_flax(subject, module, xs, m)[0]
+            return ((out - f_target) ** 2).mean()
+
+        @jax.jit
+        def step_fn(params, opt_state, tx=tx, loss_fn=loss_fn):
+            grads = jax.grad(loss_fn)(params)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state
+
+        f_snapshots = []
+        for step in range(1, TRAIN_STEPS + 1):
+            params, opt_state = step_fn(params, opt_state)
+            if step % COMPARE_EVERY == 0:
+                f_snapshots.append(subject.export(nnx.merge(graphdef, params, rest)))
+
+        actual = {}
+        for i, (t_snap, f_snap) in enumerate(zip(t_snapshots, f_snapshots), start=1):
+            for name, value in t_snap.items():
+                if not is_shift_invariant(name):
+                    reference[f"{name}@{i * COMPARE_EVERY}"] = value
+                    actual[f"{name}@{i * COMPARE_EVERY}"] = f_snap[name]
+        with torch.no_grad():
+            reference["output"] = call_torch(subject, tm, t_inputs, t_mask)[0]
+        trained = nnx.merge(graphdef, params, rest)
+        actual["output"] = call_flax(subject, trained, f_inputs, f_mask)[0]
+        check = f"train/{opt_name}"
+        rows.append(make_row(subject.name, backend, dtype, check, reference, actual, "train"))
+    return rows + _check_shift_invariant(subject, backend, dtype)
+
+
+def _check_shift_invariant(subject: Subject, backend, dtype) -> list[Row]:
+    """The key bias: zero gradient on both sides, and no effect on the output when changed."""
+    tm, fm = subject.make_pair(mesh=backend.mesh)
+    names = [n for n, _ in tm.named_parameters() if is_shift_invariant(n)]
+    if not names:
+        return []
+    tm = torch_on(tm, backend.torch_device)
+    t_inputs, t_mask, f_inputs, f_mask = prepare(backend, subject.inputs, subject.mask)
+    _, t_grads, cotangents = torch_grads(subject, tm, t_inputs, t_mask)
+    f_grads = flax_grads(subject, fm, f_inputs, f_mask, cotangents)
+    reference, actual = {}, {}
+    for n in names:
+        zero = np.zeros(tuple(t_grads[n].shape), np.float32)
+        reference[f"grad {n} (torch)"], actual[f"grad {n} (torch)"] = zero, t_grads[n]
+        reference[f"grad {n} (flax)"], actual[f"grad {n} (flax)"] = zero, f_grads[n]
+
+    with torch.no_grad():
+        before_t = call_torch(subject, tm, t_inputs, t_mask)[0]
+    before_f = call_flax(subject, fm, f_inputs, f_mask)[0]
+    shifted = {
+        n: rng(subject, f"shift/{n}").standard_normal(tuple(t_grads[n].shape)) for n in names
+    }
+    with torch.no_grad():
+        params = dict(tm.named_parameters())
+        for n, v in shifted.items():
+            params[n].copy_(torch.from_numpy(v.astype(np.float32)))
+        after_t = call_torch(subject, tm, t_inputs, t_mask)[0]
+    subject.load(fm, {n: v.astype(np.float32) for n, v in shifted.items()})
+    after_f = call_flax(subject, fm, f_inputs, f_mask)[0]
+    reference.update({"output after a new key bias (torch)": before_t})
+    actual.update({"output after a new key bias (torch)": after_t})
+    reference.update({"output after a new key bias (flax)": before_f})
+    actual.update({"output after a new key bias (flax)": after_f})
+    return [make_row(subject.name, backend, dtype, "train/key_bias", reference, actual, "train")]

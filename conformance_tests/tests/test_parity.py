@@ -1,0 +1,83 @@
+"""The parity API on a pair that is not in the spec: a user's own causal attention (nanoGPT-style
+names, its own forward) against ``flax_attention.MultiHeadAttention``, through a key map."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+
+import flax_attention as fa
+from conformance_tests.parity import assert_parity, check_parity
+
+
+class UserAttention(torch.nn.Module):
+    """Someone's causal multi-head attention: other names, no mask buffer, its own forward."""
+
+    def __init__(self, d, heads, scale=1.0):
+        super().__init__()
+        self.heads, self.scale = heads, scale
+        self.query, self.key, self.value = (torch.nn.Linear(d, d, bias=False) for _ in range(3))
+        self.proj = torch.nn.Linear(d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = (
+            m(x).view(b, t, self.heads, -1).transpose(1, 2)
+            for m in (self.query, self.key, self.value)
+        )
+        scores = q @ k.transpose(-2, -1) / math.sqrt(d // self.heads) * self.scale
+        scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+        out = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, t, d)
+        return self.proj(out)
+
+
+KEY_MAP = {
+    "query.weight": "W_query.weight",
+    "key.weight": "W_key.weight",
+    "value.weight": "W_value.weight",
+    "proj.weight": "out_proj.weight",
+    "proj.bias": "out_proj.bias",
+}
+
+
+def _pair(scale=1.0):
+    torch.manual_seed(0)
+    theirs = UserAttention(8, 2, scale)
+    ours = fa.MultiHeadAttention(8, 8, 6, 0.0, 2, rngs=nnx.Rngs(0))
+    x = np.random.default_rng(0).standard_normal((2, 6, 8)).astype(np.float32)
+    return theirs, ours, x
+
+
+def test_a_users_pair_passes_every_parity_check():
+    theirs, ours, x = _pair()
+    before = {k: np.asarray(v).copy() for k, v in fa.state_dict(ours).items()}
+    rows = assert_parity(
+        theirs, ours, [x], key_map=KEY_MAP, causal=True, checks=("forward", "grad", "train", "mask")
+    )
+    checks = [r.check for r in rows]
+    assert checks == [
+        "forward",
+        "grad",
+        "train/adam",
+        "train/adamw",
+        "train/sgd_momentum",
+        "mask/causal",
+    ]
+    assert all(r.case == "UserAttention" and r.passed for r in rows), rows
+    assert max(r.max_abs_err for r in rows if r.check == "forward") < 1e-6, rows
+    for key, value in fa.state_dict(ours).items():  # the module passed in is not changed
+        np.testing.assert_array_equal(value, before[key], err_msg=key)
+
+
+def test_a_users_pair_that_differs_fails_by_name():
+    theirs, ours, x = _pair(scale=1.001)  # a 0.1% scale bug on the torch side
+    rows = check_parity(theirs, ours, [x], key_map=KEY_MAP, checks=("forward", "grad"))
+    assert [r.passed for r in rows] == [False, False], rows
+    with pytest.raises(AssertionError, match=r"2 of 2 parity rows failed:\nUserAttention forward"):
+        assert_parity(theirs, ours, [x], key_map=KEY_MAP, checks=("forward", "grad"))
+    with pytest.raises(ValueError, match=r"checks \(\['dtype'\]\) must be some of"):
+        check_parity(theirs, ours, [x], key_map=KEY_MAP, checks=("dtype",))
