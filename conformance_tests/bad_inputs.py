@@ -307,7 +307,7 @@ BAD_INPUTS: list[BadInput] = [
         lambda: fa.MultiHeadAttention(*_MHA, implementation="flash", rngs=nnx.Rngs(0)),
         ValueError,
         r"^implementation \('flash'\) must be one of \(None, 'reference', 'xla', 'cudnn', "
-        r"'blocked'\)$",
+        r"'blocked', 'native'\)$",
     ),
     BadInput(
         "decode_without_init_cache",
