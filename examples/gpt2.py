@@ -1,4 +1,5 @@
-"""GPT-2 in Flax NNX on ``flax_attention.MultiHeadAttention``: Hugging Face checkpoints in, text out.
+"""GPT-2 in Flax NNX on ``flax_attention.MultiHeadAttention``: Hugging Face checkpoints in, text
+out.
 
 The model the documents' chapter builds towards, whole: token and learned position embeddings,
 ``n_layer`` pre-norm blocks (``nnx.LayerNorm``, ``fa.MultiHeadAttention`` with its decode cache
