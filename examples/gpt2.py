@@ -57,6 +57,7 @@ __all__ = [
     "GPT2",
     "GPT2Config",
     "compile_generate",
+    "decode_steps",
     "generate",
     "load_attention",
     "load_checkpoint",
@@ -373,18 +374,14 @@ def _next_token(logits, key, temperature, greedy: bool, top_k: int | None):
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "greedy", "top_k"))
-def _generate(graphdef, cache, rest, ids, key, temperature, *, max_new_tokens, greedy, top_k):
-    """Prefill ``ids`` ``(b, t)``, then ``max_new_tokens - 1`` decode steps in a ``lax.scan``.
+def decode_steps(graphdef, cache, rest, token, keys, head_kernel, temperature, greedy, top_k):
+    """``len(keys)`` decode steps in a ``lax.scan``, each feeding back the token it picked.
 
-    Only the caches travel through the loop; the parameters are loop constants, and the tied
-    head is transposed to ``(d, V)`` once, before it.
+    ``cache``/``rest``: the model's ``nnx.Cache`` state and everything else (``nnx.split``);
+    ``token`` ``(b,)`` the last token picked. Only the caches travel through the loop; the
+    parameters and ``head_kernel`` ``(d, V)`` are loop constants. Returns the new cache state and
+    the tokens ``(len(keys), b)``.
     """
-    model = nnx.merge(graphdef, cache, rest)
-    head_kernel = model.wte.embedding[...].T  # (d, V), once per call
-    keys = jax.random.split(key, max_new_tokens)
-    hidden = model.hidden_states(ids, decode=True)[:, -1]  # (b, d): the last prompt position
-    first = _next_token(model.head(hidden, head_kernel), keys[0], temperature, greedy, top_k)
 
     def step(carry, step_key):
         cache, token = carry  # token: (b,)
@@ -393,8 +390,24 @@ def _generate(graphdef, cache, rest, ids, key, temperature, *, max_new_tokens, g
         token = _next_token(model.head(hidden, head_kernel), step_key, temperature, greedy, top_k)
         return (nnx.state(model, nnx.Cache), token), token
 
+    (cache, _), tokens = jax.lax.scan(step, (cache, token), keys)
+    return cache, tokens
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "greedy", "top_k"))
+def _generate(graphdef, cache, rest, ids, key, temperature, *, max_new_tokens, greedy, top_k):
+    """Prefill ``ids`` ``(b, t)``, then ``max_new_tokens - 1`` decode steps; the tied head is
+    transposed to ``(d, V)`` once, before the loop (a matrix-vector product on it is faster than
+    one against the ``(V, d)`` embedding)."""
+    model = nnx.merge(graphdef, cache, rest)
+    head_kernel = model.wte.embedding[...].T  # (d, V), once per call
+    keys = jax.random.split(key, max_new_tokens)
+    hidden = model.hidden_states(ids, decode=True)[:, -1]  # (b, d): the last prompt position
+    first = _next_token(model.head(hidden, head_kernel), keys[0], temperature, greedy, top_k)
     cache = nnx.state(model, nnx.Cache)
-    _, tokens = jax.lax.scan(step, (cache, first), keys[1:])  # (N - 1, b)
+    _, tokens = decode_steps(
+        graphdef, cache, rest, first, keys[1:], head_kernel, temperature, greedy, top_k
+    )  # (N - 1, b)
     return jnp.concatenate([first[None], tokens], axis=0).T  # (b, N)
 
 
