@@ -36,7 +36,7 @@ import torch
 from flax import nnx
 
 from benchmarks.rows import make_row
-from benchmarks.timing import interleaved
+from benchmarks.timing import Timing, interleaved
 
 __all__ = ["format_rows", "plan_calls", "run"]
 
@@ -149,7 +149,8 @@ def _run_batch(config, gpt2, model, models, batch, load_s, progress):
     rows.append(
         make_row(
             "generate", case, "compile", "flax", "example", batch=batch, tokens=steps,
-            value=compiled.compile_s, unit="s", note="compile_generate: lower + compile, once",
+            timing=Timing.of([compiled.compile_s]), value=compiled.compile_s, unit="s",
+            note="compile_generate: lower + compile, once",
         )
     )  # fmt: skip
     rows += _flatness(config, gpt2, model, models, batch, case, progress)
@@ -187,7 +188,7 @@ def _positions(config):
 def _flatness(config, gpt2, model, models, batch, case, progress):
     flat, start, end = _positions(config)
     rng = np.random.default_rng(7)
-    per_token = {}
+    per_token, timing = {}, {}
     for name in ("example", "eager", "sdpa"):
         for position in (start, end):
             ids = rng.integers(0, model.config.vocab_size, (batch, position)).astype(np.int32)
@@ -208,7 +209,8 @@ def _flatness(config, gpt2, model, models, batch, case, progress):
                     _torch_steps(models[name], ids, flat)
                     for _ in range(config.generate_repeats + 1)
                 ][1:]
-            per_token[name, position] = 1e3 * float(np.median(samples)) / flat
+            timing[name, position] = Timing.of(samples)
+            per_token[name, position] = timing[name, position]["median_ms"] / flat
         _tick(progress, 2)
     rows = []
     for name in ("example", "eager", "sdpa"):
@@ -217,7 +219,7 @@ def _flatness(config, gpt2, model, models, batch, case, progress):
             make_row(
                 "generate", case, f"ms/token at {start} and {end}",
                 "flax" if name == "example" else "torch", name, batch=batch, tokens=flat,
-                value=per_token[name, end], unit="ms/token", ratio=ratio,
+                timing=timing[name, end], value=per_token[name, end], unit="ms/token", ratio=ratio,
                 ratio_of=f"ms/token at position {end} / at {start}",
                 note=f"{flat} greedy decode steps each; {per_token[name, start]:.2f} ms/token at "
                 f"{start}",
