@@ -191,12 +191,11 @@ class GPT2(nnx.Module):
             x = block(x, decode=decode)  # (b, t, d)
         return self.ln_f(x)  # (b, t, d)
 
-    def head(self, x, head_kernel=None):
-        """The tied output head: ``x`` ``(..., d)`` -> logits ``(..., V)``. ``head_kernel``: the
-        embedding already transposed to ``(d, V)`` (``generate`` makes it once per call)."""
-        if head_kernel is None:
-            head_kernel = self.wte.embedding[...].T  # (d, V)
-        return jnp.matmul(x, head_kernel, precision=self.precision)
+    def head(self, x):
+        """The tied output head: ``x`` ``(..., d)`` -> logits ``(..., V)``, contracting the
+        ``(V, d)`` embedding as stored (a copy transposed to ``(d, V)`` once before the decode
+        loop measured slower on CPU: ``python -m benchmarks --sections generate``)."""
+        return jnp.einsum("...d,vd->...v", x, self.wte.embedding[...], precision=self.precision)
 
     def __call__(self, ids, *, decode: bool = False):
         return self.head(self.hidden_states(ids, decode=decode))  # (b, t, V)
@@ -374,20 +373,19 @@ def _next_token(logits, key, temperature, greedy: bool, top_k: int | None):
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
-def decode_steps(graphdef, cache, rest, token, keys, head_kernel, temperature, greedy, top_k):
+def decode_steps(graphdef, cache, rest, token, keys, temperature, greedy, top_k):
     """``len(keys)`` decode steps in a ``lax.scan``, each feeding back the token it picked.
 
     ``cache``/``rest``: the model's ``nnx.Cache`` state and everything else (``nnx.split``);
     ``token`` ``(b,)`` the last token picked. Only the caches travel through the loop; the
-    parameters and ``head_kernel`` ``(d, V)`` are loop constants. Returns the new cache state and
-    the tokens ``(len(keys), b)``.
+    parameters are loop constants. Returns the new cache state and the tokens ``(len(keys), b)``.
     """
 
     def step(carry, step_key):
         cache, token = carry  # token: (b,)
         model = nnx.merge(graphdef, cache, rest)
         hidden = model.hidden_states(token[:, None], decode=True)[:, 0]  # (b, d)
-        token = _next_token(model.head(hidden, head_kernel), step_key, temperature, greedy, top_k)
+        token = _next_token(model.head(hidden), step_key, temperature, greedy, top_k)
         return (nnx.state(model, nnx.Cache), token), token
 
     (cache, _), tokens = jax.lax.scan(step, (cache, token), keys)
@@ -396,17 +394,14 @@ def decode_steps(graphdef, cache, rest, token, keys, head_kernel, temperature, g
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "greedy", "top_k"))
 def _generate(graphdef, cache, rest, ids, key, temperature, *, max_new_tokens, greedy, top_k):
-    """Prefill ``ids`` ``(b, t)``, then ``max_new_tokens - 1`` decode steps; the tied head is
-    transposed to ``(d, V)`` once, before the loop (a matrix-vector product on it is faster than
-    one against the ``(V, d)`` embedding)."""
+    """Prefill ``ids`` ``(b, t)``, then ``max_new_tokens - 1`` decode steps."""
     model = nnx.merge(graphdef, cache, rest)
-    head_kernel = model.wte.embedding[...].T  # (d, V), once per call
     keys = jax.random.split(key, max_new_tokens)
     hidden = model.hidden_states(ids, decode=True)[:, -1]  # (b, d): the last prompt position
-    first = _next_token(model.head(hidden, head_kernel), keys[0], temperature, greedy, top_k)
+    first = _next_token(model.head(hidden), keys[0], temperature, greedy, top_k)
     cache = nnx.state(model, nnx.Cache)
     _, tokens = decode_steps(
-        graphdef, cache, rest, first, keys[1:], head_kernel, temperature, greedy, top_k
+        graphdef, cache, rest, first, keys[1:], temperature, greedy, top_k
     )  # (N - 1, b)
     return jnp.concatenate([first[None], tokens], axis=0).T  # (b, N)
 
