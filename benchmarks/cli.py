@@ -118,6 +118,8 @@ def _impl(row):
 
 def format_section(section: str, rows: list[dict]) -> str:
     rows = [r for r in rows if r["section"] == section]
+    if section == "generate":
+        return _section_module(section).format_rows(rows, _table)
     if section == "speed":
         headers = ["case", "mode", "framework", "implementation", "median ms", "min ms", "n",
                    "/eager", "/SDPA", "max diff (rel)", "note"]  # fmt: skip

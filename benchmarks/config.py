@@ -6,7 +6,7 @@ import dataclasses
 
 __all__ = ["Config", "FULL", "QUICK", "SECTIONS", "parse_shape"]
 
-SECTIONS = ("speed", "memory", "decode", "compile")
+SECTIONS = ("speed", "memory", "decode", "compile", "generate")
 
 
 def parse_shape(text: str) -> tuple[int, int]:
@@ -54,6 +54,13 @@ class Config:
     compile_repeats: int = 3
     #: Implementations compiled (labels as in the rows); ``None``: every one on the backend.
     compile_implementations: tuple[str, ...] | None = None
+    # generate: examples/gpt2.py against transformers generate (GPT2Config keywords for the model)
+    generate_batches: tuple[int, ...] = (1, 8)
+    generate_prompt: int = 32
+    generate_steps: int = 128
+    generate_repeats: int = 3
+    generate_flat_steps: int = 16
+    generate_model: dict = dataclasses.field(default_factory=dict)  # {}: GPT-2 small
 
     def repeats_for(self, shape) -> int:
         return self.speed_repeats.get(tuple(shape), self.default_repeats)
@@ -79,4 +86,10 @@ QUICK = Config(
     compile_shape=(1, 64),
     compile_repeats=1,
     compile_implementations=("default",),
+    generate_batches=(2,),
+    generate_prompt=4,
+    generate_steps=8,
+    generate_repeats=1,
+    generate_flat_steps=2,
+    generate_model={"n_layer": 2, "n_head": 2, "n_embd": 32, "vocab_size": 101, "n_positions": 64},
 )
