@@ -207,40 +207,13 @@ class GPT2(nnx.Module):
 def load_attention(layer: fa.MultiHeadAttention, tensors: Mapping, prefix: str) -> None:
     """Load one Hugging Face ``GPT2Attention``'s weights (keys under ``prefix``) into ``layer``.
 
-    ``c_attn`` is a ``Conv1D``, weight ``(d, 3 d)`` = ``[W_query | W_key | W_value]`` as
-    ``(d_in, d_out)`` blocks: each block is the transpose of a torch ``Linear`` weight.
-    ``c_proj`` is ``out_proj``, also stored ``(d_in, d_out)``. The old checkpoints' buffers
-    ``attn.bias`` (the causal mask) and ``attn.masked_bias`` carry no weights and are skipped.
+    The weight bridge's ``"gpt2"`` layout does the work: ``c_attn`` is a ``Conv1D``, weight
+    ``(d, 3 d)`` = ``[W_query | W_key | W_value]`` stored ``(d_in, d_out)``, split and
+    transposed; ``c_proj`` is ``out_proj``. Strict under ``prefix``: a missing, unexpected or
+    mis-shaped key is a ``ValueError`` naming it, and nothing is loaded. The old checkpoints'
+    buffers ``attn.bias`` (the causal mask, checked) and ``attn.masked_bias`` carry no weights.
     """
-    # When the weight bridge has the "gpt2" layout, this whole body becomes:
-    #     fa.load_state_dict(layer, tensors, layout="gpt2", prefix=prefix)
-    d = layer.d_out
-    expected = {
-        "c_attn.weight": (layer.d_in, 3 * d),
-        "c_attn.bias": (3 * d,),
-        "c_proj.weight": (d, d),
-        "c_proj.bias": (d,),
-    }
-    values = {}
-    for name, shape in expected.items():
-        values[name] = _tensor(tensors, prefix + name, shape)
-    known = {prefix + name for name in (*expected, "bias", "masked_bias")}
-    unexpected = sorted(k for k in tensors if k.startswith(prefix) and k not in known)
-    if unexpected:
-        raise ValueError(f"unexpected keys under {prefix!r}: {unexpected}")
-    w_query, w_key, w_value = np.split(values["c_attn.weight"], 3, axis=1)  # (d_in, d) each
-    b_query, b_key, b_value = np.split(values["c_attn.bias"], 3)  # (d,) each
-    mapped = {
-        "W_query.weight": w_query.T, "W_query.bias": b_query,
-        "W_key.weight": w_key.T, "W_key.bias": b_key,
-        "W_value.weight": w_value.T, "W_value.bias": b_value,
-        "out_proj.weight": values["c_proj.weight"].T, "out_proj.bias": values["c_proj.bias"],
-        "mask": layer.mask,  # the documents' layout carries the causal mask buffer
-    }  # fmt: skip
-    try:
-        fa.load_state_dict(layer, mapped, strict=True)
-    except ValueError as error:
-        raise ValueError(f"{prefix}: {error}") from error
+    fa.load_state_dict(layer, tensors, layout="gpt2", prefix=prefix)
 
 
 def _tensor(tensors: Mapping, key: str, shape: tuple[int, ...]) -> np.ndarray:
