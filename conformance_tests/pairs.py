@@ -16,7 +16,7 @@ import functools
 import os
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +41,7 @@ __all__ = [
     "constructor_args",
     "export_of",
     "flax_forward",
+    "is_integer",
     "make_inputs",
     "make_mask",
     "mesh_skip_reason",
@@ -185,16 +186,18 @@ def output_names(described) -> tuple[str, ...]:
     return described.layer_spec.output_names
 
 
-def _call(described, module, inputs, mask) -> tuple:
+def _call(described, module, inputs, mask, adapt=None) -> tuple:
     layer: LayerSpec = described.layer_spec
     args = [*inputs, *([mask] if layer.takes_mask else []), *described.call_args]
     out = module(*args)
+    out = out if adapt is None else adapt(out)
     return out if isinstance(out, tuple) else (out,)
 
 
 def call_torch(described, module, inputs, mask) -> tuple:
-    """Every output of the torch side: the returned ones, then the kept attributes."""
-    out = _call(described, module, inputs, mask)
+    """Every output of the torch side: the returned ones (through the subject's
+    ``torch_output``, if any), then the kept attributes."""
+    out = _call(described, module, inputs, mask, getattr(described, "torch_output", None))
     return out + tuple(getattr(module, name) for name in described.layer_spec.kept_outputs)
 
 
@@ -255,11 +258,25 @@ def _place(x, mesh, batched=True):
     return jax.device_put(x, NamedSharding(mesh, PartitionSpec("data" if split else None)))
 
 
+def is_integer(x) -> bool:
+    """An integer input (token ids): kept as integers on both sides, with no gradient."""
+    return np.issubdtype(np.asarray(x).dtype, np.integer)
+
+
 def prepare(backend, inputs, mask, dtype="float32"):
-    """Inputs and mask for both sides: torch float32 tensors, jax arrays in ``dtype``."""
-    t_inputs = [to_torch(x, backend.torch_device) for x in inputs]
+    """Inputs and mask for both sides: torch float32 tensors, jax arrays in ``dtype``; integer
+    inputs (token ids) stay integers."""
+    t_inputs = [
+        torch.from_numpy(np.asarray(x)).to(backend.torch_device)
+        if is_integer(x)
+        else to_torch(x, backend.torch_device)
+        for x in inputs
+    ]
     t_mask = to_torch(mask, backend.torch_device)
-    f_inputs = [_place(jnp.asarray(x, DTYPES[dtype]), backend.mesh) for x in inputs]
+    f_inputs = [
+        _place(jnp.asarray(x, None if is_integer(x) else DTYPES[dtype]), backend.mesh)
+        for x in inputs
+    ]
     f_mask = None if mask is None else _place(jnp.asarray(mask), backend.mesh, batched=False)
     return t_inputs, t_mask, f_inputs, f_mask
 
@@ -277,7 +294,8 @@ class Subject:
       layer_spec: how to call both sides (``layers.LayerSpec``).
       make_pair: ``(*, dtype="float32", dropout=None, dropout_seed=None, mesh=None) ->
         (torch_module, flax_module)``: a fresh pair with the same weights, in eval mode.
-      inputs: the positional inputs (float32 NumPy).
+      inputs: the positional inputs (float32 NumPy; integer ones, token ids, stay integers and
+        get no gradient).
       mask: the caller's mask (``1`` = attend) or ``None``.
       mask_kind: ``"causal"``, ``"padding"``, ``"fully_masked_row"`` or ``None`` (the mask check).
       call_args: trailing positional call arguments (a function's).
@@ -286,6 +304,12 @@ class Subject:
       export: ``flax_module -> {torch name: array}``, the names the torch side's parameters
         have (``flax_attention.state_dict``; another layout for a user's own pair).
       load: ``(flax_module, {torch name: array}) -> None``, loading some of them (non-strict).
+      torch_output: what the torch module returns -> its output or tuple of outputs (a
+        ``transformers`` model's ``ModelOutput`` -> ``out.logits``); ``None``: as returned.
+      train_steps: the ``train`` check's optimiser steps.
+      shift_invariant: torch name -> the slice of its last axis that cannot change the output
+        (a fused ``c_attn.bias``'s key third): its gradient is rounding noise, which Adam scales
+        up to steps of ``lr``, so the ``train`` check leaves that slice out of the trajectories.
     """
 
     name: str
@@ -300,6 +324,9 @@ class Subject:
     forward_key: str = "forward"
     export: Callable = fa.state_dict
     load: Callable = functools.partial(fa.load_state_dict, strict=False)
+    torch_output: Callable | None = None
+    train_steps: int = 50
+    shift_invariant: dict = field(default_factory=dict)
 
 
 def export_of(described) -> Callable:

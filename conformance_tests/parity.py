@@ -7,11 +7,17 @@ The built-in report runs these same checks on the spec's cases; here they run on
 
 The torch module's weights are moved into the Flax module first
 (``flax_attention.load_state_dict(flax_module, state_dict, layout=...)``); ``key_map`` renames
-torch's keys to the layout's (``{"c_attn.weight": "qkv.weight", ...}``) where they differ. Each
-check is then the report's: ``forward`` (every output, eval mode), ``grad`` (a fixed random
-cotangent's gradients w.r.t. every input and every parameter, by torch name), ``train`` (50
-steps of Adam, AdamW and SGD with momentum; parameters compared every 10 steps, and the trained
-output), ``mask`` (for a causal pair or a given ``mask_kind``: masked positions have no
+torch's keys to the layout's (``{"c_attn.weight": "qkv.weight", ...}``) where they differ. A
+whole model brings its own transfer instead, ``weights=(load, export)`` in torch's names::
+
+    rows = assert_parity(hf_gpt2, flax_gpt2, [token_ids], weights=(load_weights, export_weights),
+                         torch_output=lambda out: out.logits, train_steps=5)
+
+Each check is then the report's: ``forward`` (every output, eval mode), ``grad`` (a fixed random
+cotangent's gradients w.r.t. every float input and every parameter, by torch name; integer
+inputs, token ids, stay integers and get none), ``train`` (50 steps, or ``train_steps``, of Adam,
+AdamW and SGD with momentum; parameters compared every 10 steps and after the last, and the
+trained output), ``mask`` (for a causal pair or a given ``mask_kind``: masked positions have no
 influence). Rows are ``harness.Row``s, in the report's format; tolerances are the report's.
 """
 
@@ -28,7 +34,7 @@ from conformance_tests.backends import Backend, backends
 from conformance_tests.checks import CHECK_FUNCTIONS
 from conformance_tests.compare import Row
 from conformance_tests.layers import LayerSpec
-from conformance_tests.pairs import Subject
+from conformance_tests.pairs import Subject, is_integer
 
 __all__ = ["PARITY_CHECKS", "assert_parity", "check_parity"]
 
@@ -41,46 +47,9 @@ def _layout_keywords(layout: str) -> dict:
     return {} if layout == "documents" else {"layout": layout}
 
 
-def check_parity(
-    torch_module: torch.nn.Module,
-    flax_module: nnx.Module,
-    inputs,
-    *,
-    mask=None,
-    layout: str = "documents",
-    key_map: dict[str, str] | None = None,
-    checks=("forward", "grad", "train"),
-    name: str | None = None,
-    causal: bool = False,
-    mask_kind: str | None = None,
-    seed: int = 0,
-    backend: Backend | None = None,
-) -> list[Row]:
-    """Rows of ``checks`` for the pair (``harness.Row``, as the report prints them).
-
-    Args:
-      torch_module, flax_module: the pair. The Flax module gets the torch module's weights
-        (the torch module and the Flax module you pass are not changed: each check works on
-        copies).
-      inputs: the positional inputs (array-likes, float32), the same for both; the mask, if
-        any, follows them in the call.
-      mask: the caller's mask (``1`` = attend), passed after the inputs, or ``None``.
-      layout: the weight layout of the torch module's state dict (``"documents"``: the
-        documents' names).
-      key_map: torch key -> the layout's key, for keys named otherwise (both directions are
-        derived from it: gradients and trajectories are compared under torch's names).
-      checks: from ``PARITY_CHECKS``.
-      name: the rows' ``case`` column (default: the torch module's class name).
-      causal: the pair masks the future itself (for the ``mask`` check).
-      mask_kind: ``"causal"`` or ``"padding"``: what ``mask`` is (for the ``mask`` check).
-      seed: seeds the cotangents, targets and perturbations.
-      backend: where to run (default: the CPU, strict float32).
-    """
-    unknown = [c for c in checks if c not in PARITY_CHECKS]
-    if unknown:
-        raise ValueError(f"checks ({unknown}) must be some of {PARITY_CHECKS}")
-    inputs = [np.asarray(x, np.float32) for x in inputs]
-    mask = None if mask is None else np.asarray(mask)
+def _layout_transfer(flax_module, state, layout, key_map):
+    """Load ``state`` (torch's names) into ``flax_module`` through ``layout`` and ``key_map``
+    (strictly); returns the ``(load, export)`` pair the checks use."""
     key_map = dict(key_map or {})
     back = {ours: theirs for theirs, ours in key_map.items()}
     keywords = _layout_keywords(layout)
@@ -94,21 +63,107 @@ def check_parity(
     def load(module, state):
         fa.load_state_dict(module, to_ours(state), strict=False, **keywords)
 
-    torch_module = copy.deepcopy(torch_module).eval()
-    state = {k: v.detach().cpu().numpy() for k, v in torch_module.state_dict().items()}
-    flax_module = nnx.clone(flax_module)
     ours = to_ours(state)
     # a buffer that follows from the configuration (the causal ``mask``) and that the torch
     # module does not carry: the Flax module's own
     own = fa.state_dict(flax_module, **keywords)
     ours.update({k: v for k, v in own.items() if k.endswith("mask") and k not in ours})
     fa.load_state_dict(flax_module, ours, strict=True, **keywords)
+    return load, export
+
+
+def check_parity(
+    torch_module: torch.nn.Module,
+    flax_module: nnx.Module,
+    inputs,
+    *,
+    mask=None,
+    layout: str = "documents",
+    key_map: dict[str, str] | None = None,
+    weights: tuple | None = None,
+    torch_output=None,
+    checks=("forward", "grad", "train"),
+    name: str | None = None,
+    causal: bool = False,
+    mask_kind: str | None = None,
+    seed: int = 0,
+    backend: Backend | None = None,
+    train_steps: int = 50,
+    reference_dtype: str = "float32",
+    shift_invariant: dict | None = None,
+) -> list[Row]:
+    """Rows of ``checks`` for the pair (``harness.Row``, as the report prints them).
+
+    Args:
+      torch_module, flax_module: the pair. The Flax module gets the torch module's weights
+        (the torch module and the Flax module you pass are not changed: each check works on
+        copies).
+      inputs: the positional inputs (array-likes), the same for both; the mask, if any,
+        follows them in the call. Integer ones (token ids) stay integers and get no gradient;
+        the others are cast to float32.
+      mask: the caller's mask (``1`` = attend), passed after the inputs, or ``None``.
+      layout: the weight layout of the torch module's state dict (``"documents"``: the
+        documents' names).
+      key_map: torch key -> the layout's key, for keys named otherwise (both directions are
+        derived from it: gradients and trajectories are compared under torch's names).
+      weights: ``(load, export)``, the transfer of a whole model, replacing ``layout`` and
+        ``key_map``: ``load(flax_module, {torch name: np.ndarray})`` loads the torch module's
+        ``state_dict`` (and, for a shift-invariant key bias, some of its keys);
+        ``export(flax_module) -> {torch name: np.ndarray}`` names every parameter as torch's
+        ``named_parameters()`` does (a tied weight once, under the name torch keeps).
+      torch_output: the torch module's return value -> its output or tuple of outputs (a
+        ``transformers`` model: ``lambda out: out.logits``); ``None``: as returned.
+      checks: from ``PARITY_CHECKS``.
+      name: the rows' ``case`` column (default: the torch module's class name).
+      causal: the pair masks the future itself (for the ``mask`` check).
+      mask_kind: ``"causal"`` or ``"padding"``: what ``mask`` is (for the ``mask`` check).
+      seed: seeds the cotangents, targets and perturbations.
+      backend: where to run (default: the CPU, strict float32).
+      train_steps: the ``train`` check's optimiser steps (a positive int; default the
+        report's 50).
+      reference_dtype: ``"float32"`` (the report's reference) or ``"float64"``: the torch side
+        computes and trains in float64, so the rows measure the Flax side's float32 error
+        against the exact result (a model whose Adam steps amplify torch's own float32
+        rounding, see ``test_gpt2.py``). float64 takes integer inputs only (token ids).
+      shift_invariant: torch name -> the slice of its last axis that cannot change the output
+        (the key third of a fused QKV bias); the ``train`` check leaves it out (its gradient is
+        rounding noise, which Adam scales up); a separate key bias is recognised by name.
+    """
+    unknown = [c for c in checks if c not in PARITY_CHECKS]
+    if unknown:
+        raise ValueError(f"checks ({unknown}) must be some of {PARITY_CHECKS}")
+    if weights is not None and (key_map or layout != "documents"):
+        raise ValueError(
+            f"weights (load, export) replaces layout ({layout!r}) and key_map ({key_map!r}): "
+            "pass one or the other"
+        )
+    if weights is not None and (len(weights) != 2 or not all(map(callable, weights))):
+        raise TypeError(f"weights ({weights!r}) must be a pair of callables (load, export)")
+    if isinstance(train_steps, bool) or not isinstance(train_steps, int) or train_steps < 1:
+        raise ValueError(f"train_steps ({train_steps!r}) must be a positive int")
+    inputs = [np.asarray(x) if is_integer(x) else np.asarray(x, np.float32) for x in inputs]
+    if reference_dtype not in ("float32", "float64"):
+        raise ValueError(f"reference_dtype ({reference_dtype!r}) must be 'float32' or 'float64'")
+    if reference_dtype == "float64" and not all(is_integer(x) for x in inputs):
+        raise ValueError("reference_dtype 'float64' takes integer inputs (token ids) only")
+    if "mask" in checks and any(is_integer(x) for x in inputs):
+        raise ValueError("the mask check perturbs float inputs: integer inputs cannot take it")
+    mask = None if mask is None else np.asarray(mask)
+    torch_module = copy.deepcopy(torch_module).eval()
+    state = {k: v.detach().cpu().numpy() for k, v in torch_module.state_dict().items()}
+    flax_module = nnx.clone(flax_module)
+    if weights is not None:
+        load, export = weights
+        load(flax_module, state)
+    else:
+        load, export = _layout_transfer(flax_module, state, layout, key_map)
     flax_module.eval()
     with torch.no_grad():
         out = torch_module(
             *(torch.from_numpy(x) for x in inputs),
             *([] if mask is None else [torch.from_numpy(mask)]),
         )
+    out = out if torch_output is None else torch_output(out)
     count = len(out) if isinstance(out, tuple) else 1
     layer = LayerSpec(
         name or type(torch_module).__name__,
@@ -122,7 +177,10 @@ def check_parity(
     def make_pair(*, dtype="float32", dropout=None, dropout_seed=None, mesh=None):
         if dtype != "float32" or dropout is not None or dropout_seed is not None:
             raise ValueError("a user's pair runs in float32 at its own dropout rate")
-        pair = copy.deepcopy(torch_module).eval(), nnx.clone(flax_module)
+        reference = copy.deepcopy(torch_module).eval()
+        if reference_dtype == "float64":
+            reference = reference.double()
+        pair = reference, nnx.clone(flax_module)
         if mesh is not None:
             fa.shard(pair[1], mesh)
         return pair
@@ -137,6 +195,9 @@ def check_parity(
         seed=seed,
         export=export,
         load=load,
+        torch_output=torch_output,
+        train_steps=train_steps,
+        shift_invariant=dict(shift_invariant or {}),
     )
     backend = backend or backends(["cpu"])[0]
     rows = []

@@ -58,6 +58,7 @@ __all__ = [
     "GPT2Config",
     "compile_generate",
     "decode_steps",
+    "export_weights",
     "generate",
     "load_attention",
     "load_checkpoint",
@@ -285,6 +286,41 @@ def load_weights(model: GPT2, tensors: Mapping) -> None:
     skeleton = _skeleton(model.config, model.precision)
     _fill(skeleton, tensors)
     nnx.update(model, nnx.state(skeleton, nnx.Param))
+
+
+def export_weights(model: GPT2) -> dict[str, np.ndarray]:
+    """``model``'s parameters under a Hugging Face ``GPT2LMHeadModel``'s names and shapes
+    (``transformer.``-prefixed; ``Conv1D`` weights ``(d_in, d_out)``, ``c_attn`` fused): the
+    inverse of ``load_weights``, which reads the result back unchanged.
+
+    The head is tied: ``transformer.wte.weight`` stands for both uses and ``lm_head.weight`` is
+    left out, as ``save_pretrained`` and torch's ``named_parameters()`` leave it out (HF's
+    ``state_dict()`` lists the same tensor under both keys). Exported from a gradient (a model
+    whose parameters hold gradients), ``transformer.wte.weight`` is the sum over both uses, the
+    token lookup and the head, as torch accumulates both into the one tied parameter.
+    """
+
+    def value(variable: nnx.Variable) -> np.ndarray:
+        return np.array(variable[...], np.float32, order="C")
+
+    out = {"transformer.wte.weight": value(model.wte.embedding)}
+    out["transformer.wpe.weight"] = value(model.wpe.embedding)
+
+    def norm(layer: nnx.LayerNorm, name: str) -> None:
+        out[f"{name}.weight"], out[f"{name}.bias"] = value(layer.scale), value(layer.bias)
+
+    def conv1d(layer: nnx.Linear, name: str) -> None:
+        out[f"{name}.weight"], out[f"{name}.bias"] = value(layer.kernel), value(layer.bias)
+
+    for i, block in enumerate(model.h):  # in torch's order
+        name = f"transformer.h.{i}"
+        norm(block.ln_1, f"{name}.ln_1")
+        out.update(fa.state_dict(block.attn, layout="gpt2", prefix=f"{name}.attn."))
+        norm(block.ln_2, f"{name}.ln_2")
+        conv1d(block.mlp.c_fc, f"{name}.mlp.c_fc")
+        conv1d(block.mlp.c_proj, f"{name}.mlp.c_proj")
+    norm(model.ln_f, "transformer.ln_f")
+    return out
 
 
 class _LazyTensors(Mapping):

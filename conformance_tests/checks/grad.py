@@ -34,19 +34,18 @@ def torch_grads(described, tm, inputs, mask, cotangents=None):
     """Outputs and gradients of ``sum(outputs * cotangents)`` w.r.t. inputs and parameters.
 
     ``cotangents`` default to standard normal ones seeded by ``described`` (a case or subject).
+    Integer inputs (token ids) get no gradient (no ``input.<i>`` entry).
     """
     device = inputs[0].device
-    inputs = [x.detach().clone().requires_grad_(True) for x in inputs]
+    inputs = [x.detach().clone().requires_grad_(x.is_floating_point()) for x in inputs]
     outputs = call_torch(described, tm, inputs, mask)
     cotangents = _cotangents(described, outputs) if cotangents is None else cotangents
     loss = sum((o * torch.from_numpy(c).to(device)).sum() for o, c in zip(outputs, cotangents))
     params = dict(tm.named_parameters()) if isinstance(tm, torch.nn.Module) else {}
-    names = [f"input.{i}" for i in range(len(inputs))] + list(params)
-    grads = torch.autograd.grad(loss, inputs + list(params.values()), allow_unused=True)
-    grads = {
-        n: (torch.zeros_like(p) if g is None else g)
-        for n, p, g in zip(names, inputs + list(params.values()), grads)
-    }
+    wrt = {f"input.{i}": x for i, x in enumerate(inputs) if x.is_floating_point()}
+    wrt.update(params)
+    grads = torch.autograd.grad(loss, list(wrt.values()), allow_unused=True)
+    grads = {n: (torch.zeros_like(p) if g is None else g) for (n, p), g in zip(wrt.items(), grads)}
     return outputs, grads, cotangents
 
 
@@ -55,11 +54,19 @@ def _loss_of(outputs, cotangents):
 
 
 def _param_grads(described, graphdef, params, rest, inputs, mask, cotangents):
-    def loss(params, xs):
+    """Gradients w.r.t. the parameters and ``{i: gradient}`` of the float inputs (integer ones,
+    token ids, are constants)."""
+    floats = [i for i, x in enumerate(inputs) if jnp.issubdtype(x.dtype, jnp.floating)]
+
+    def loss(params, diff):
+        xs = list(inputs)
+        for i, x in zip(floats, diff):
+            xs[i] = x
         outputs = call_flax(described, nnx.merge(graphdef, params, rest), xs, mask)
         return _loss_of(outputs, cotangents)
 
-    return jax.grad(loss, argnums=(0, 1))(params, inputs)
+    g_params, g_inputs = jax.grad(loss, argnums=(0, 1))(params, [inputs[i] for i in floats])
+    return g_params, dict(zip(floats, g_inputs))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
@@ -90,7 +97,7 @@ def flax_grads(described, fm, inputs, mask, cotangents, *, jit=False) -> dict:
         g_params, g_inputs = _param_grads(
             described, graphdef, params, rest, list(inputs), mask, cotangents
         )
-    grads = {f"input.{i}": g for i, g in enumerate(g_inputs)}
+    grads = {f"input.{i}": g for i, g in g_inputs.items()}
     by_name = export_of(described)(nnx.merge(graphdef, g_params, rest))
     grads.update({n: v for n, v in by_name.items() if not n.endswith("mask")})  # no buffers
     return grads

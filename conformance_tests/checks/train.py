@@ -10,7 +10,7 @@ import torch
 from flax import nnx
 
 from conformance_tests.checks.grad import flax_grads, torch_grads
-from conformance_tests.compare import Row, make_row
+from conformance_tests.compare import Row, make_row, to_numpy
 from conformance_tests.optimisers import OPTIMIZERS
 from conformance_tests.pairs import Subject, call_flax, call_torch, prepare, rng, to_torch, torch_on
 from conformance_tests.spec import is_shift_invariant
@@ -22,14 +22,15 @@ COMPARE_EVERY = 10
 
 
 def check_train(subject: Subject, backend, dtype="float32") -> list[Row]:
-    """50 optimiser steps on both sides; parameters compared every 10 steps, outputs at the end.
+    """50 optimiser steps on both sides (``subject.train_steps``); parameters compared every 10
+    steps and after the last, outputs at the end.
 
     The objective regresses the layer's output onto a fixed random target (mean squared error).
     Shift-invariant parameters (the key bias) are compared by their gradient (zero on both
     sides) and their effect (none), in a row of their own.
     """
     rows = []
-    inputs, mask = subject.inputs, subject.mask
+    inputs, mask, steps = subject.inputs, subject.mask, subject.train_steps
     for opt_name, (make_torch_opt, make_optax) in OPTIMIZERS.items():
         tm, fm = subject.make_pair(mesh=backend.mesh)
         tm = torch_on(tm, backend.torch_device)
@@ -41,12 +42,12 @@ def check_train(subject: Subject, backend, dtype="float32") -> list[Row]:
 
         optimizer = make_torch_opt(tm.parameters())
         reference, t_snapshots = {}, []
-        for step in range(1, TRAIN_STEPS + 1):
+        for step in range(1, steps + 1):
             optimizer.zero_grad()
             out = call_torch(subject, tm, t_inputs, t_mask)[0]
             ((out - t_target) ** 2).mean().backward()
             optimizer.step()
-            if step % COMPARE_EVERY == 0:
+            if step % COMPARE_EVERY == 0 or step == steps:
                 t_snapshots.append({n: p.detach().clone() for n, p in tm.named_parameters()})
 
         graphdef, params, rest = nnx.split(fm, nnx.Param, ...)
@@ -66,17 +67,17 @@ def check_train(subject: Subject, backend, dtype="float32") -> list[Row]:
             return optax.apply_updates(params, updates), opt_state
 
         f_snapshots = []
-        for step in range(1, TRAIN_STEPS + 1):
+        for step in range(1, steps + 1):
             params, opt_state = step_fn(params, opt_state)
-            if step % COMPARE_EVERY == 0:
+            if step % COMPARE_EVERY == 0 or step == steps:
                 f_snapshots.append(subject.export(nnx.merge(graphdef, params, rest)))
 
         actual = {}
-        for i, (t_snap, f_snap) in enumerate(zip(t_snapshots, f_snapshots), start=1):
+        for t_snap, f_snap, at in zip(t_snapshots, f_snapshots, _snapshot_steps(steps)):
             for name, value in t_snap.items():
                 if not is_shift_invariant(name):
-                    reference[f"{name}@{i * COMPARE_EVERY}"] = value
-                    actual[f"{name}@{i * COMPARE_EVERY}"] = f_snap[name]
+                    reference[f"{name}@{at}"] = _variant_part(subject, name, value)
+                    actual[f"{name}@{at}"] = _variant_part(subject, name, f_snap[name])
         with torch.no_grad():
             reference["output"] = call_torch(subject, tm, t_inputs, t_mask)[0]
         trained = nnx.merge(graphdef, params, rest)
@@ -84,6 +85,22 @@ def check_train(subject: Subject, backend, dtype="float32") -> list[Row]:
         check = f"train/{opt_name}"
         rows.append(make_row(subject.name, backend, dtype, check, reference, actual, "train"))
     return rows + _check_shift_invariant(subject, backend, dtype)
+
+
+def _variant_part(subject: Subject, name: str, value):
+    """``value`` without the slice ``subject.shift_invariant`` names for it (if any)."""
+    part = getattr(subject, "shift_invariant", {}).get(name)
+    if part is None:
+        return value
+    value = to_numpy(value)
+    keep = np.ones(value.shape[-1], bool)
+    keep[part] = False
+    return value[..., keep]
+
+
+def _snapshot_steps(steps: int) -> list[int]:
+    """The steps the parameters are compared after: every ``COMPARE_EVERY``, and the last."""
+    return sorted({*range(COMPARE_EVERY, steps + 1, COMPARE_EVERY), steps})
 
 
 def _check_shift_invariant(subject: Subject, backend, dtype) -> list[Row]:

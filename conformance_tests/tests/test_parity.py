@@ -81,3 +81,38 @@ def test_a_users_pair_that_differs_fails_by_name():
         assert_parity(theirs, ours, [x], key_map=KEY_MAP, checks=("forward", "grad"))
     with pytest.raises(ValueError, match=r"checks \(\['dtype'\]\) must be some of"):
         check_parity(theirs, ours, [x], key_map=KEY_MAP, checks=("dtype",))
+
+
+@pytest.mark.parametrize(
+    "options, error, message",
+    [
+        (dict(weights=(fa.load_state_dict, fa.state_dict), key_map=KEY_MAP), ValueError,
+         "replaces layout"),
+        (dict(weights=(fa.load_state_dict,)), TypeError, "pair of callables"),
+        (dict(train_steps=0), ValueError, r"train_steps \(0\)"),
+        (dict(reference_dtype="float16"), ValueError, "reference_dtype"),
+        (dict(reference_dtype="float64"), ValueError, "integer inputs"),
+    ],
+)  # fmt: skip
+def test_bad_parity_options_are_rejected_by_name(options, error, message):
+    theirs, ours, x = _pair()
+    with pytest.raises(error, match=message):
+        check_parity(theirs, ours, [x], checks=("forward",), **options)
+
+
+def test_own_weight_transfer_and_few_train_steps():
+    """``weights=(load, export)`` in place of the key map gives the same rows; ``train_steps``
+    compares after the last step."""
+    theirs, ours, x = _pair()
+    back = {v: k for k, v in KEY_MAP.items()}
+
+    def load(module, state):
+        fa.load_state_dict(module, {KEY_MAP.get(k, k): v for k, v in state.items()}, strict=False)
+
+    def export(module):
+        return {back.get(k, k): v for k, v in fa.state_dict(module).items() if k != "mask"}
+
+    rows = assert_parity(theirs, ours, [x], weights=(load, export), train_steps=3)
+    assert [r.check for r in rows] == ["forward", "grad", "train/adam", "train/adamw",
+                                       "train/sgd_momentum"]  # fmt: skip
+    assert all(0 < r.max_abs_err < 1e-5 for r in rows), rows
