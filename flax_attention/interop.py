@@ -32,7 +32,9 @@ import numpy as np
 from flax import nnx
 
 from flax_attention.annotated import MultiHeadedAttention
+from flax_attention.causal import CausalAttention, MultiHeadAttentionWrapper
 from flax_attention.multihead import MultiHeadAttention
+from flax_attention.self_attention import SelfAttention_v1, SelfAttention_v2
 from flax_attention.weights import load_state_dict
 
 __all__ = ["from_torch", "from_nnx"]
@@ -96,6 +98,20 @@ def _causal_options(peer: str, options: dict) -> int | None:
     return context_length
 
 
+#: ``torch_reference`` class name -> the Flax layer of the same name.
+_REFERENCE_LAYERS = {
+    layer.__name__: layer
+    for layer in (
+        SelfAttention_v1,
+        SelfAttention_v2,
+        CausalAttention,
+        MultiHeadAttentionWrapper,
+        MultiHeadAttention,
+        MultiHeadedAttention,
+    )
+}
+
+
 def _mode(layer, training: bool):
     if not training:
         layer.eval()
@@ -103,8 +119,6 @@ def _mode(layer, training: bool):
 
 
 def _from_reference(module, options: dict):
-    import flax_attention
-
     name = type(module).__name__
     flax = _check_options(f"a torch_reference {name}", options, _FLAX_OPTIONS)
     state = _torch_state(module)
@@ -130,7 +144,7 @@ def _from_reference(module, options: dict):
             args = (d_in, d_out, state["mask"].shape[0], module.dropout.p, module.num_heads, bias)
         case _:  # MultiHeadedAttention
             args = (module.num_heads, state["proj_weights.0.weight"].shape[1], module.dropout.p)
-    layer = getattr(flax_attention, name)(*args, **flax)
+    layer = _REFERENCE_LAYERS[name](*args, **flax)
     load_state_dict(layer, state)
     return _mode(layer, module.training)
 

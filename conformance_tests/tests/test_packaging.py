@@ -23,7 +23,11 @@ PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 PROJECT = PYPROJECT["project"]
 OWN = {"flax_attention", "torch_reference", "conformance_tests", "benchmarks"}
 #: Import name -> distribution name, where they differ.
-DISTRIBUTION = {"orbax": "orbax-checkpoint", "yaml": "pyyaml"}
+DISTRIBUTION = {
+    "orbax": "orbax-checkpoint",
+    "yaml": "pyyaml",
+    "scipy_openblas32": "scipy-openblas32",
+}
 
 
 def _name(requirement: str) -> str:
@@ -73,10 +77,11 @@ def _files(package: str, tests: bool = False):
 
 
 def test_the_layers_need_exactly_the_declared_dependencies():
-    assert DEPENDENCIES == {"jax", "flax", "numpy", "safetensors"}
+    # scipy-openblas32: the BLAS the native kernel is built against and loads at run time.
+    assert DEPENDENCIES == {"jax", "flax", "numpy", "safetensors", "scipy-openblas32"}
     imported = _imports(_files("flax_attention"))
     assert set(imported) <= DEPENDENCIES, f"undeclared: {set(imported) - DEPENDENCIES}"
-    assert {"jax", "flax", "numpy", "safetensors"} <= set(imported)
+    assert DEPENDENCIES <= set(imported)
 
 
 def test_the_reference_report_and_tests_need_only_their_extras():
@@ -93,7 +98,7 @@ def test_the_reference_report_and_tests_need_only_their_extras():
 
 
 def test_lower_bounds_are_the_checked_versions():
-    bounds = dict(re.match(r"(\w+)>=([\d.]+)$", r).groups() for r in PROJECT["dependencies"])
+    bounds = dict(re.match(r"([\w-]+)>=([\d.]+)$", r).groups() for r in PROJECT["dependencies"])
     assert bounds["jax"] == "0.8.1" and bounds["flax"] == "0.12.4", bounds
     readme = (ROOT / "README.md").read_text()
     assert "jax 0.8.1 and flax 0.12.4" in readme, "the README must name the checked versions"
