@@ -26,8 +26,9 @@ xla           ``jax.nn.dot_product_attention(implementation="xla")``            
 cudnn         ``jax.nn.dot_product_attention(implementation="cudnn")``, GPU only      no
 blocked       flash-style tiles with an online softmax, in JAX; tiles that the        no
               causal mask removes entirely are skipped; memory ``O(t * block)``,
-              gradients too (a custom VJP that recomputes the tiles); tile sizes
-              from ``block_sizes`` (``kernels/blocked.py``)
+              gradients too (a custom VJP that recomputes the tiles); dropout
+              inside the tiles; tile sizes from ``block_sizes``
+              (``kernels/blocked.py``)
 native        the same tiling as a C++ kernel called through ``jax.ffi``, CPU only,   no
               float32/bfloat16 (computed in float32), forward and backward FFI
               targets; dropout inside the tiles (``kernels/native/``)
@@ -35,10 +36,11 @@ None          the fastest of these for the backend and shape (``select_implement
 ============  =====================================================================  ========
 
 Only ``reference`` returns the weights. Dropout: ``reference`` applies the layer's
-``nnx.Dropout`` to the weights; ``native`` regenerates a keep-mask per tile from a counter-based
-hash of (seed, batch, head, query, key) (``kernels/dropout_hash.py``), the seed drawn from the
-dropout's own RNG stream, so training stays ``O(t)`` in memory. Asking another implementation
-for weights or active dropout is a ``ValueError`` (``None`` picks one that can).
+``nnx.Dropout`` to the weights; ``native`` and ``blocked`` regenerate a keep-mask per tile from a
+counter-based hash of (seed, batch, head, query, key) (``kernels/dropout_hash.py``; the two drop
+the same weights for the same seed), the seed drawn from the dropout's own RNG stream, so
+training stays ``O(t)`` in memory. Asking another implementation for weights or active dropout
+is a ``ValueError`` (``None`` picks one that can).
 
 What is masked, and with what, is one ``AttentionMask`` (``flax_attention.masking``) built once
 per call from ``is_causal``, ``query_offset``, ``mask`` and ``fill_value``; every implementation
@@ -143,15 +145,16 @@ def select_implementation(
 ) -> str:
     """What ``implementation=None`` runs: the fastest that does what the call needs.
 
-    - weights asked for, or dropout active: ``reference`` (the only one that has both);
+    - weights asked for: ``reference`` (the only one that returns them);
     - GPU and TPU: ``xla`` (XLA's fused attention; ``cudnn`` is opt-in, it takes half
       precision only and is not yet measured here);
     - CPU: from ``blocked_min_scores`` score entries per head (the tiled kernels skip the causal
       half and never materialise the scores), ``native`` where it is built and the inputs are
       float32 or bfloat16 (``native.why_unavailable()`` says why not), else ``blocked``;
       ``reference`` below the threshold;
-    - dropout active: ``native`` where it would run anyway (it applies ``nnx.Dropout``'s rate
-      inside its tiles), else ``reference``.
+    - dropout active: on the CPU the same choice when it is an ``nnx.Dropout`` (``native`` and
+      ``blocked`` apply its rate inside their tiles); ``reference`` for any other dropout
+      callable (the conformance harness injects fixed masks) and on GPU and TPU.
     """
     if need_weights:
         return "reference"
@@ -159,13 +162,26 @@ def select_implementation(
         jax.default_backend() == "cpu" and queries.shape[-3] * keys.shape[-3] >= blocked_min_scores
     )
     use_native = tiled and native.available() and _native_dtype(queries, keys)
-    if _dropout_active(dropout):
-        return "native" if use_native and isinstance(dropout, nnx.Dropout) else "reference"
+    if _dropout_active(dropout) and not isinstance(dropout, nnx.Dropout):
+        return "reference"
     if jax.default_backend() != "cpu":
-        return "xla"
+        return "reference" if _dropout_active(dropout) else "xla"
     if use_native:
         return "native"
     return "blocked" if tiled else "reference"
+
+
+#: The implementations that apply an ``nnx.Dropout`` inside their tiles (``dropout_hash``).
+_TILED_DROPOUT = ("blocked", "native")
+
+
+def _dropout_seed(dropout, key):
+    """``(rate, seed)`` of a tiled kernel's dropout: ``(0.0, None)`` when inactive, else the
+    layer's rate and a uint32 seed drawn from its RNG stream (``key``: drawn outside)."""
+    if not _dropout_active(dropout):
+        return 0.0, None
+    key = dropout.rngs() if key is None else key
+    return dropout.rate, jax.random.bits(key, dtype=jnp.uint32)
 
 
 def _native_dtype(*arrays) -> bool:
@@ -224,11 +240,12 @@ def dot_product_attention(
                 "attention weights (need_weights=False for the others)"
             )
         if _dropout_active(dropout) and not (
-            implementation == "native" and isinstance(dropout, nnx.Dropout)
+            implementation in _TILED_DROPOUT and isinstance(dropout, nnx.Dropout)
         ):
             raise ValueError(
-                f"implementation ({implementation!r}) must be 'reference', 'native' or None "
-                "while dropout is active (call .eval(), or use implementation=None)"
+                f"implementation ({implementation!r}) must be 'reference', 'blocked', 'native' "
+                "or None while dropout is active (call .eval(), or use implementation=None); "
+                "'blocked' and 'native' take an nnx.Dropout only"
             )
     # The one description of what is hidden, consumed by every implementation.
     attention_mask = AttentionMask.build(
@@ -273,8 +290,16 @@ def _dispatch(
                 dropout = functools.partial(dropout, rngs=key)
             return _reference(queries, keys, values, attention_mask, dropout, precision)
         case "blocked":
+            rate, seed = _dropout_seed(dropout, key)
             context_vec = blocked_attention(
-                queries, keys, values, attention_mask, precision=precision, block_sizes=blocks
+                queries,
+                keys,
+                values,
+                attention_mask,
+                precision=precision,
+                block_sizes=blocks,
+                dropout_rate=rate,
+                dropout_seed=seed,
             )
             return context_vec, None
         case "native":
@@ -284,10 +309,7 @@ def _dispatch(
                     f"implementation ('native') must run on the CPU with the kernel built "
                     f"({reason}; use 'blocked')"
                 )
-            rate, seed = 0.0, None
-            if _dropout_active(dropout):
-                key = dropout.rngs() if key is None else key
-                rate, seed = dropout.rate, jax.random.bits(key, dtype=jnp.uint32)
+            rate, seed = _dropout_seed(dropout, key)
             context_vec = native.native_attention(
                 queries,
                 keys,

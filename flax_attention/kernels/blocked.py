@@ -5,6 +5,12 @@ block ``i`` visits key blocks ``0 .. last_key_block(i)`` only (all of them witho
 so the tiles the causal mask removes entirely are skipped; memory ``O(t * block)``, gradients
 too (the backward recomputes the tiles).
 
+Dropout on the weights happens inside the tiles: each tile's keep-mask is regenerated, in the
+forward and again in the backward, from the counter-based hash of (seed, batch, head, query,
+key) of ``dropout_hash`` (global indices, so the native kernel with the same seed drops the same
+weights, and ``reference`` given ``dropout_hash.keep_mask`` computes the same function); kept
+weights are scaled by ``1 / (1 - rate)``.
+
 Layout inside the kernel: ``(B, h, n, d)`` with the leading axes flattened into ``B``; the query
 axis padded to a multiple of ``block_q``, the key axis to a multiple of ``block_k``. The tile
 sizes are a ``BlockSizes`` argument; ``BlockSizes.automatic`` picks them from the shape.
@@ -20,6 +26,7 @@ import numbers
 import jax
 import jax.numpy as jnp
 
+from flax_attention.kernels import dropout_hash
 from flax_attention.masking import AttentionMask, flatten_mask
 
 __all__ = ["TILE_BYTES", "TILE_EDGES", "BlockSizes", "blocked_attention"]
@@ -74,9 +81,22 @@ def blocked_attention(
     *,
     precision=None,
     block_sizes: BlockSizes | None = None,
+    dropout_rate: float = 0.0,
+    dropout_seed=None,
 ):
     """``(..., t, h, d_k), (..., s, h, d_k), (..., s, h, d_v)`` -> ``(..., t, h, d_v)``, with
-    what ``attention_mask`` hides; equal to ``reference`` without its scores in memory."""
+    what ``attention_mask`` hides; equal to ``reference`` without its scores in memory.
+
+    ``dropout_rate`` > 0 drops weights inside the tiles where ``dropout_hash.keep_mask(
+    dropout_seed, (B, h, t, s), dropout_rate)`` is ``False`` (``B`` the flattened leading axes)
+    and scales the others by ``1 / (1 - rate)``; ``dropout_seed`` (uint32, an int or a traced
+    scalar) is then required.
+    """
+    drop_threshold = dropout_hash.threshold(dropout_rate)
+    if drop_threshold and dropout_seed is None:
+        raise ValueError(
+            f"dropout_seed (None) must be given when dropout_rate ({dropout_rate}) > 0"
+        )
     lead, (t, h, _), s = queries.shape[:-3], queries.shape[-3:], keys.shape[-3]
     if block_sizes is None:
         block_sizes = BlockSizes.automatic(math.prod(lead) * h)
@@ -94,9 +114,20 @@ def blocked_attention(
         keep = flatten_mask(keep, lead, h, t, s)  # (B|1, h|1, t|1, s|1)
         pads = [(0, 0), (0, 0), (0, tp - t if keep.shape[2] > 1 else 0)]
         keep = jnp.pad(keep, [*pads, (0, sp - s if keep.shape[3] > 1 else 0)])
-    config = _Config(bq, bk, t, s, attention_mask.is_causal, attention_mask.fill_value, precision)
+    config = _Config(
+        bq,
+        bk,
+        t,
+        s,
+        attention_mask.is_causal,
+        attention_mask.fill_value,
+        precision,
+        drop_threshold,
+        1.0 / (1.0 - dropout_rate),
+    )
     offset = jnp.asarray(attention_mask.query_offset, jnp.int32)
-    out = _blocked(config, q, k, v, keep, offset)  # (B, h, tp, d_v)
+    seed = jnp.asarray(0 if dropout_seed is None else dropout_seed, jnp.uint32)
+    out = _blocked(config, q, k, v, keep, offset, seed)  # (B, h, tp, d_v)
     out = jnp.swapaxes(out[:, :, :t], 1, 2).astype(dtype)  # (B, t, h, d_v)
     return out.reshape(*lead, *out.shape[1:])
 
@@ -112,6 +143,8 @@ class _Config:
     is_causal: bool
     fill_value: float
     precision: object
+    drop_threshold: int = 0  # dropout: keep a weight where its hash >= this (0: no dropout)
+    drop_scale: float = 1.0  # 1 / (1 - rate)
 
     def mask(self, offset) -> AttentionMask:
         """The call's ``AttentionMask`` without the caller's mask (passed to the tiles apart)."""
@@ -149,6 +182,22 @@ def _tile_scores(config, q_i, k_j, keep, offset, i, j):
     return mask.apply(scores, tile, visible), tile
 
 
+def _row_hashes(config, seed, batch, heads, tp):
+    """The dropout hash of every query row ``(B, h, tp)`` (``None`` without dropout)."""
+    if not config.drop_threshold:
+        return None
+    return dropout_hash.row_hash(seed, batch, heads, tp)
+
+
+def _dropout_tile(config, hashes, i, j):
+    """The dropout factor of tile ``(i, j)``, ``(B, h, bq, bk)`` float32: ``1 / (1 - rate)``
+    where the hash keeps the weight, else 0. ``hashes``: ``_row_hashes``."""
+    rows_i = jax.lax.dynamic_slice_in_dim(hashes, i * config.bq, config.bq, 2)  # (B, h, bq)
+    keys = (j * config.bk + jnp.arange(config.bk)).astype(jnp.uint32)  # (bk,)
+    kept = dropout_hash.key_bits(rows_i, keys) >= jnp.uint32(config.drop_threshold)
+    return jnp.where(kept, jnp.float32(config.drop_scale), jnp.float32(0.0))
+
+
 def _key_blocks(config, offset, i):
     """How many key blocks query block ``i`` needs (the causal mask removes the rest)."""
     nk = -(-config.s // config.bk)
@@ -165,12 +214,13 @@ def _first_query_block(config, offset, j):
     return jnp.clip((j * config.bk - offset) // config.bq, 0, None)
 
 
-def _blocked_forward(config, q, k, v, keep, offset):
+def _blocked_forward(config, q, k, v, keep, offset, seed):
     """``(out, m, denom)``: ``(B, h, tp, d_v)`` float32, the rows' running max and softmax
     denominator ``(B, h, tp)``, kept apart: ``m + log(denom)`` loses ``log(denom)`` when ``m``
     is ``-1e10``."""
     batch, heads, tp, _ = q.shape
     d_v = v.shape[-1]
+    hashes = _row_hashes(config, seed, batch, heads, tp)
 
     def query_block(i):
         q_i = jax.lax.dynamic_slice_in_dim(q, i * config.bq, config.bq, 2)  # (B, h, bq, d)
@@ -184,7 +234,9 @@ def _blocked_forward(config, q, k, v, keep, offset):
             m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)  # rows with nothing seen yet
             p = jnp.exp(scores - m_safe[..., None])
             alpha = jnp.exp(m - m_safe)
-            denom = alpha * denom + p.sum(-1)
+            denom = alpha * denom + p.sum(-1)  # the softmax's, before dropout
+            if hashes is not None:
+                p = p * _dropout_tile(config, hashes, i, j)
             pv = jnp.einsum(
                 "bhts,bhsd->bhtd",
                 p.astype(v.dtype),
@@ -210,21 +262,23 @@ def _blocked_forward(config, q, k, v, keep, offset):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _blocked(config, q, k, v, keep, offset):
-    return _blocked_forward(config, q, k, v, keep, offset)[0]
+def _blocked(config, q, k, v, keep, offset, seed):
+    return _blocked_forward(config, q, k, v, keep, offset, seed)[0]
 
 
-def _blocked_fwd(config, q, k, v, keep, offset):
-    out, m, denom = _blocked_forward(config, q, k, v, keep, offset)
-    return out, (q, k, v, keep, offset, out, m, denom)
+def _blocked_fwd(config, q, k, v, keep, offset, seed):
+    out, m, denom = _blocked_forward(config, q, k, v, keep, offset, seed)
+    return out, (q, k, v, keep, offset, seed, out, m, denom)
 
 
 def _blocked_bwd(config, residuals, d_out):
     """Flash-attention backward: per key block, recompute its tiles, accumulate dK, dV (carried)
-    and dQ (one ``(B, h, tp, d)`` buffer updated in place); memory ``O(t * block)``."""
-    q, k, v, keep, offset, out, m, denom = residuals
+    and dQ (one ``(B, h, tp, d)`` buffer updated in place); memory ``O(t * block)``. With
+    dropout factors ``D`` (the forward's): ``dV += (P * D)^T dO``, ``dP = (dO V^T) * D``."""
+    q, k, v, keep, offset, seed, out, m, denom = residuals
     d_out = d_out.astype(jnp.float32)
-    delta = (d_out * out).sum(-1)  # (B, h, tp): rowsum(dO * O)
+    delta = (d_out * out).sum(-1)  # (B, h, tp): rowsum(dO * O) = rowsum(P * dP)
+    hashes = _row_hashes(config, seed, *q.shape[:3])
     scale = jnp.float32(q.shape[-1] ** -0.5)
     nq = q.shape[2] // config.bq
 
@@ -246,8 +300,13 @@ def _blocked_bwd(config, residuals, d_out):
             q_i, d_out_i, m_i, denom_i, delta_i = map(rows, (q, d_out, m, denom, delta))
             scores, tile = _tile_scores(config, q_i, k_j, keep, offset, i, j)  # (B, h, bq, bk)
             p = jnp.exp(scores - m_i[..., None]) / denom_i[..., None]  # the forward's weights
-            d_v = d_v + dot("bhts,bhtd->bhsd", p, d_out_i)
             d_p = dot("bhtd,bhsd->bhts", d_out_i, v_j)
+            if hashes is None:
+                d_v = d_v + dot("bhts,bhtd->bhsd", p, d_out_i)
+            else:
+                drop = _dropout_tile(config, hashes, i, j)
+                d_v = d_v + dot("bhts,bhtd->bhsd", p * drop, d_out_i)
+                d_p = d_p * drop
             d_s = p * (d_p - delta_i[..., None]) * scale  # d(raw scores)
             if tile is not None:  # a filled score is a constant: no gradient flows through it
                 d_s = jnp.where(tile, d_s, 0.0)
@@ -268,7 +327,7 @@ def _blocked_bwd(config, residuals, d_out):
     )
     d_k = jnp.moveaxis(d_k, 0, 2).reshape(k.shape)  # (nk, B, h, bk, d) -> (B, h, sp, d)
     d_v = jnp.moveaxis(d_v, 0, 2).reshape(v.shape)
-    return d_q.astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype), None, None
+    return d_q.astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype), None, None, None
 
 
 _blocked.defvjp(_blocked_fwd, _blocked_bwd)
