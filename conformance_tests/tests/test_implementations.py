@@ -228,6 +228,28 @@ def test_blocked_skips_the_tiles_the_causal_mask_removes():
     assert [int(blocked._first_query_block(config, 0, j)) for j in range(4)] == [0, 1, 2, 3]
 
 
+def test_blocked_masks_only_the_tiles_that_need_it():
+    """The causal and padding ``where`` runs on the diagonal tiles and on a last key tile that
+    holds padding only: query tile ``i`` sees key tiles ``0..i-1`` entirely (the diagonal tile
+    ``i`` is masked), key tile ``j`` is seen entirely from query tile ``j + 1``; at an offset
+    the diagonal moves; a key length that does not divide the tile masks its last key tile for
+    every query tile."""
+    config = blocked._Config(4, 4, 16, 16, True, -np.inf, None)
+    assert [int(blocked._full_key_blocks(config, 0, i)) for i in range(4)] == [0, 1, 2, 3]
+    assert [int(blocked._first_full_query_block(config, 0, j)) for j in range(4)] == [1, 2, 3, 4]
+    # Decode chunk: 4 queries at offset 5 over 16 keys: query 5 sees key tile 0 and key 5 of 1.
+    chunk = blocked._Config(4, 4, 4, 16, True, -np.inf, None)
+    assert int(blocked._full_key_blocks(chunk, 5, 0)) == 1
+    assert int(blocked._key_blocks(chunk, 5, 0)) == 3
+    assert [int(blocked._first_full_query_block(chunk, 5, j)) for j in range(4)] == [0, 1, 1, 1]
+    padded = blocked._Config(4, 4, 16, 14, False, -np.inf, None)  # 14 keys: 2 of padding
+    assert [int(blocked._full_key_blocks(padded, 0, i)) for i in range(4)] == [3, 3, 3, 3]
+    assert [int(blocked._first_full_query_block(padded, 0, j)) for j in range(4)] == [0, 0, 0, 4]
+    dense = blocked._Config(4, 4, 16, 16, False, -np.inf, None)
+    assert [int(blocked._full_key_blocks(dense, 0, i)) for i in range(4)] == [4, 4, 4, 4]
+    assert [int(blocked._first_full_query_block(dense, 0, j)) for j in range(4)] == [0, 0, 0, 0]
+
+
 def test_block_sizes_are_an_argument_that_changes_the_tiles_not_the_numbers():
     """The same call with 4 x 4, 3 x 5 and automatic tiles: the same output (to float32
     rounding); ``BlockSizes.automatic`` follows ``TILE_BYTES``; bad sizes are refused."""

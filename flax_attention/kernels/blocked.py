@@ -14,6 +14,12 @@ weights are scaled by ``1 / (1 - rate)``.
 Layout inside the kernel: ``(B, h, n, d)`` with the leading axes flattened into ``B``; the query
 axis padded to a multiple of ``block_q``, the key axis to a multiple of ``block_k``. The tile
 sizes are a ``BlockSizes`` argument; ``BlockSizes.automatic`` picks them from the shape.
+
+Work per tile, kept small: the ``1 / sqrt(d_k)`` scale is folded into the queries once, before
+the tiles (exact when ``d_k`` is a power of 4, e.g. 16, 64, 256; one rounding of ``q`` else);
+the causal and padding ``where`` runs only on the tiles that need it, the tiles the diagonal
+crosses and the last key tile when the key length does not divide the tile (the loops over key
+blocks, and in the backward over query blocks, are split into a masked and an unmasked range).
 """
 
 from __future__ import annotations
@@ -108,7 +114,11 @@ def blocked_attention(
         x = jnp.swapaxes(x.reshape(-1, *x.shape[-3:]), 1, 2)
         return jnp.pad(x, ((0, 0), (0, 0), (0, padded - length), (0, 0)))
 
-    q, k, v = to_kernel(queries, t, tp), to_kernel(keys, s, sp), to_kernel(values, s, sp)
+    # The scale folded into the queries once (in float32, back to their dtype); its gradient is
+    # JAX's, outside the custom VJP.
+    scale = jnp.float32(queries.shape[-1] ** -0.5)
+    scaled = (queries.astype(jnp.float32) * scale).astype(dtype)
+    q, k, v = to_kernel(scaled, t, tp), to_kernel(keys, s, sp), to_kernel(values, s, sp)
     keep = attention_mask.keep
     if keep is not None:
         keep = flatten_mask(keep, lead, h, t, s)  # (B|1, h|1, t|1, s|1)
@@ -151,16 +161,17 @@ class _Config:
         return AttentionMask(None, self.fill_value, self.is_causal, offset)
 
 
-def _tile_scores(config, q_i, k_j, keep, offset, i, j):
-    """Scaled, masked float32 scores of query block ``i`` against key block ``j``, and the
-    caller's keep-mask tile (``None`` without a mask)."""
+def _tile_scores(config, q_i, k_j, keep, offset, i, j, masked=True):
+    """Masked float32 scores of query block ``i`` (already scaled) against key block ``j``, and
+    the caller's keep-mask tile (``None`` without a mask). ``masked=False``: the tile needs no
+    causal or padding mask (``_full_key_blocks``, ``_first_full_query_block``)."""
     scores = jnp.einsum(
         "bhtd,bhsd->bhts",
         q_i,
         k_j,
         precision=config.precision,
         preferred_element_type=jnp.float32,
-    ) / jnp.float32(q_i.shape[-1] ** 0.5)  # (B, h, bq, bk)
+    )  # (B, h, bq, bk)
     tile = None
     if keep is not None:
         rows = (
@@ -174,6 +185,8 @@ def _tile_scores(config, q_i, k_j, keep, offset, i, j):
             else rows
         )
     mask = config.mask(offset)
+    if not masked:
+        return mask.apply(scores, tile), tile
     key_pos = j * config.bk + jnp.arange(config.bk)[None, :]  # (1, bk)
     visible = key_pos < config.s  # padding keys never count
     if config.is_causal:
@@ -214,6 +227,35 @@ def _first_query_block(config, offset, j):
     return jnp.clip((j * config.bk - offset) // config.bq, 0, None)
 
 
+def _padded_keys(config) -> bool:
+    """Whether the last key block holds padding (the key length does not divide the tile)."""
+    return config.s % config.bk != 0
+
+
+def _full_key_blocks(config, offset, i):
+    """How many key blocks, from 0, query block ``i`` sees entirely: no causal or padding mask
+    on them. The key blocks from there to ``_key_blocks`` need the mask."""
+    nk = -(-config.s // config.bk)
+    last = nk - 1 if _padded_keys(config) else nk
+    if not config.is_causal:
+        return last
+    # Block j is entirely visible from the block's first query: (j + 1) * bk - 1 <= offset + i * bq.
+    full = (offset + i * config.bq + 1) // config.bk
+    return jnp.clip(full, 0, jnp.minimum(last, _key_blocks(config, offset, i)))
+
+
+def _first_full_query_block(config, offset, j):
+    """The first query block that sees every key of block ``j`` (no causal or padding mask from
+    there on); the blocks from ``_first_query_block`` up to it need the mask."""
+    nq, nk = -(-config.t // config.bq), -(-config.s // config.bk)
+    full = first = _first_query_block(config, offset, j)
+    if config.is_causal:  # the block's first query sees its last key: (j + 1) * bk - 1 <= ...
+        full = jnp.clip(-(-((j + 1) * config.bk - 1 - offset) // config.bq), first, nq)
+    if _padded_keys(config):  # the last key block holds padding: masked for every query block
+        full = jnp.where(j == nk - 1, nq, full)
+    return full
+
+
 def _blocked_forward(config, q, k, v, keep, offset, seed):
     """``(out, m, denom)``: ``(B, h, tp, d_v)`` float32, the rows' running max and softmax
     denominator ``(B, h, tp)``, kept apart: ``m + log(denom)`` loses ``log(denom)`` when ``m``
@@ -225,11 +267,11 @@ def _blocked_forward(config, q, k, v, keep, offset, seed):
     def query_block(i):
         q_i = jax.lax.dynamic_slice_in_dim(q, i * config.bq, config.bq, 2)  # (B, h, bq, d)
 
-        def key_block(j, carry):
+        def key_block(j, carry, masked):
             m, denom, acc = carry
             k_j = jax.lax.dynamic_slice_in_dim(k, j * config.bk, config.bk, 2)
             v_j = jax.lax.dynamic_slice_in_dim(v, j * config.bk, config.bk, 2)
-            scores, _ = _tile_scores(config, q_i, k_j, keep, offset, i, j)  # (B, h, bq, bk)
+            scores, _ = _tile_scores(config, q_i, k_j, keep, offset, i, j, masked)  # (B, h, bq, bk)
             m_new = jnp.maximum(m, scores.max(-1))
             m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)  # rows with nothing seen yet
             p = jnp.exp(scores - m_safe[..., None])
@@ -251,7 +293,11 @@ def _blocked_forward(config, q, k, v, keep, offset, seed):
             jnp.zeros((batch, heads, config.bq), jnp.float32),
             jnp.zeros((batch, heads, config.bq, d_v), jnp.float32),
         )
-        m, denom, acc = jax.lax.fori_loop(0, _key_blocks(config, offset, i), key_block, init)
+        full, needed = _full_key_blocks(config, offset, i), _key_blocks(config, offset, i)
+        carry = jax.lax.fori_loop(0, full, functools.partial(key_block, masked=False), init)
+        m, denom, acc = jax.lax.fori_loop(
+            full, needed, functools.partial(key_block, masked=True), carry
+        )
         m_safe = jnp.where(jnp.isneginf(m), 0.0, m)
         return acc / denom[..., None], m_safe, denom  # a fully masked -inf row: 0/0, as softmax
 
@@ -279,7 +325,6 @@ def _blocked_bwd(config, residuals, d_out):
     d_out = d_out.astype(jnp.float32)
     delta = (d_out * out).sum(-1)  # (B, h, tp): rowsum(dO * O) = rowsum(P * dP)
     hashes = _row_hashes(config, seed, *q.shape[:3])
-    scale = jnp.float32(q.shape[-1] ** -0.5)
     nq = q.shape[2] // config.bq
 
     def dot(spec, a, b):
@@ -291,14 +336,14 @@ def _blocked_bwd(config, residuals, d_out):
         k_j = jax.lax.dynamic_slice_in_dim(k, j * config.bk, config.bk, 2)  # (B, h, bk, d)
         v_j = jax.lax.dynamic_slice_in_dim(v, j * config.bk, config.bk, 2)
 
-        def query_block(i, carry):
+        def query_block(i, carry, masked):
             d_k, d_v, d_q = carry
 
             def rows(x):  # query block i of a (B, h, tp, ...) array
                 return jax.lax.dynamic_slice_in_dim(x, i * config.bq, config.bq, 2)
 
             q_i, d_out_i, m_i, denom_i, delta_i = map(rows, (q, d_out, m, denom, delta))
-            scores, tile = _tile_scores(config, q_i, k_j, keep, offset, i, j)  # (B, h, bq, bk)
+            scores, tile = _tile_scores(config, q_i, k_j, keep, offset, i, j, masked)
             p = jnp.exp(scores - m_i[..., None]) / denom_i[..., None]  # the forward's weights
             d_p = dot("bhtd,bhsd->bhts", d_out_i, v_j)
             if hashes is None:
@@ -307,7 +352,7 @@ def _blocked_bwd(config, residuals, d_out):
                 drop = _dropout_tile(config, hashes, i, j)
                 d_v = d_v + dot("bhts,bhtd->bhsd", p * drop, d_out_i)
                 d_p = d_p * drop
-            d_s = p * (d_p - delta_i[..., None]) * scale  # d(raw scores)
+            d_s = p * (d_p - delta_i[..., None])  # d(scores of the scaled queries)
             if tile is not None:  # a filled score is a constant: no gradient flows through it
                 d_s = jnp.where(tile, d_s, 0.0)
             d_k = d_k + dot("bhts,bhtd->bhsd", d_s, q_i)
@@ -316,8 +361,13 @@ def _blocked_bwd(config, residuals, d_out):
             return d_k, d_v, d_q
 
         init = (jnp.zeros(k_j.shape, jnp.float32), jnp.zeros(v_j.shape, jnp.float32), d_q)
+        first, full = (
+            _first_query_block(config, offset, j),
+            _first_full_query_block(config, offset, j),
+        )
+        carry = jax.lax.fori_loop(first, full, functools.partial(query_block, masked=True), init)
         d_k, d_v, d_q = jax.lax.fori_loop(
-            _first_query_block(config, offset, j), nq, query_block, init
+            full, nq, functools.partial(query_block, masked=False), carry
         )
         return d_q, (d_k, d_v)
 
