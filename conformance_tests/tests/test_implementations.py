@@ -450,3 +450,63 @@ def test_tiled_dropout_draws_its_seed_from_the_layers_stream(implementation):
     _assert_all_close(expected, first, implementation)
     second = step(layer)
     assert np.abs(np.asarray(first["out"]) - np.asarray(second["out"])).max() > 0.1  # new seed
+
+
+# ---- keys and values heads first (the decode cache's layout) ----------------------------------
+
+
+@pytest.mark.parametrize("name", ["cross_random_mask", "decode_offset", "v_dim_differs"])
+@pytest.mark.parametrize("implementation", ["reference", *FAST])
+def test_keys_and_values_heads_first_give_the_same_call(implementation, name):
+    """``kv_layout="hsd"`` (keys and values ``(..., h, s, d)``) equals the same call with them
+    laid out as the queries, forward and gradients (the key and value gradients come back in
+    the layout they were given)."""
+    case = next(c for c in CORE_CASES if c[0] == name)
+    _, batch, t, s, h, d_k, d_v, is_causal, mask_kind, offset, fill = case
+    if implementation == "xla" and d_v != d_k:
+        pytest.skip("xla needs d_v == d_k (test_core_equals_reference)")
+    q, k, v, mask, cotangent = _core_inputs(batch, t, s, h, d_k, d_v, mask_kind)
+
+    def run(kv_layout, k, v):
+        def fn(q, k, v):
+            return core.dot_product_attention(
+                q,
+                k,
+                v,
+                mask,
+                is_causal=is_causal,
+                query_offset=offset,
+                fill_value=fill,
+                implementation=implementation,
+                need_weights=False,
+                block_sizes=SMALL_TILES,
+                kv_layout=kv_layout,
+            )[0]
+
+        return _grads(fn, q, k, v, cotangent)
+
+    expected = run("shd", k, v)
+    actual = run("hsd", np.swapaxes(k, -3, -2), np.swapaxes(v, -3, -2))
+    actual["d_key"] = jnp.swapaxes(actual["d_key"], -3, -2)
+    actual["d_value"] = jnp.swapaxes(actual["d_value"], -3, -2)
+    _assert_all_close(expected, actual, f"{implementation} {name}")
+
+
+def test_none_with_keys_heads_first_reads_them_in_place():
+    """Keys and values heads first (the decode cache) on the CPU: one query runs ``reference``,
+    a few ``blocked`` (both read them in place), from ``NATIVE_MIN_QUERIES_HSD`` the usual
+    tiled kernel (``native`` copies them into its order once per call); a bad layout is
+    refused."""
+    keys = jnp.ones((1, 1, 4096, 2))  # (b, h, s, d)
+    one, few, many = (jnp.ones((1, t, 1, 2)) for t in (1, 16, core.NATIVE_MIN_QUERIES_HSD))
+    tiled = "native" if native.available() else "blocked"
+    if jax.default_backend() == "cpu":
+        assert core.select_implementation(one, keys, kv_layout="hsd") == "reference"
+        assert core.select_implementation(few, keys, kv_layout="hsd") == "blocked"
+        assert core.select_implementation(many, keys, kv_layout="hsd") == tiled
+        shd = jnp.swapaxes(keys, 1, 2)
+        assert core.select_implementation(one, shd) == tiled
+        short = jnp.ones((1, 1, 64, 2))  # 64 scores per head: under the tiled kernels' bound
+        assert core.select_implementation(few, short, kv_layout="hsd") == "reference"
+    with pytest.raises(ValueError, match=r"kv_layout \('bshd'\) must be one of \('shd', 'hsd'\)"):
+        core.dot_product_attention(one, keys, keys, kv_layout="bshd")

@@ -89,9 +89,12 @@ def blocked_attention(
     block_sizes: BlockSizes | None = None,
     dropout_rate: float = 0.0,
     dropout_seed=None,
+    kv_heads_first: bool = False,
 ):
     """``(..., t, h, d_k), (..., s, h, d_k), (..., s, h, d_v)`` -> ``(..., t, h, d_v)``, with
     what ``attention_mask`` hides; equal to ``reference`` without its scores in memory.
+    ``kv_heads_first``: keys and values come as ``(..., h, s, d)`` (the kernel's own order:
+    not transposed).
 
     ``dropout_rate`` > 0 drops weights inside the tiles where ``dropout_hash.keep_mask(
     dropout_seed, (B, h, t, s), dropout_rate)`` is ``False`` (``B`` the flattened leading axes)
@@ -103,22 +106,26 @@ def blocked_attention(
         raise ValueError(
             f"dropout_seed (None) must be given when dropout_rate ({dropout_rate}) > 0"
         )
-    lead, (t, h, _), s = queries.shape[:-3], queries.shape[-3:], keys.shape[-3]
+    lead, (t, h, _) = queries.shape[:-3], queries.shape[-3:]
+    s = keys.shape[-2] if kv_heads_first else keys.shape[-3]
     if block_sizes is None:
         block_sizes = BlockSizes.automatic(math.prod(lead) * h)
     dtype = queries.dtype
     bq, bk = min(block_sizes.block_q, t), min(block_sizes.block_k, s)
     tp, sp = -(-t // bq) * bq, -(-s // bk) * bk
 
-    def to_kernel(x, length, padded):  # (..., n, h, d) -> (B, h, n_padded, d)
-        x = jnp.swapaxes(x.reshape(-1, *x.shape[-3:]), 1, 2)
+    def to_kernel(x, length, padded, heads_first=False):  # -> (B, h, n_padded, d)
+        x = x.reshape(-1, *x.shape[-3:])  # (B, n, h, d), or (B, h, n, d) heads first
+        if not heads_first:
+            x = jnp.swapaxes(x, 1, 2)
         return jnp.pad(x, ((0, 0), (0, 0), (0, padded - length), (0, 0)))
 
     # The scale folded into the queries once (in float32, back to their dtype); its gradient is
     # JAX's, outside the custom VJP.
     scale = jnp.float32(queries.shape[-1] ** -0.5)
     scaled = (queries.astype(jnp.float32) * scale).astype(dtype)
-    q, k, v = to_kernel(scaled, t, tp), to_kernel(keys, s, sp), to_kernel(values, s, sp)
+    q = to_kernel(scaled, t, tp)
+    k, v = (to_kernel(x, s, sp, kv_heads_first) for x in (keys, values))
     keep = attention_mask.keep
     if keep is not None:
         keep = flatten_mask(keep, lead, h, t, s)  # (B|1, h|1, t|1, s|1)
