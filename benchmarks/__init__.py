@@ -7,7 +7,8 @@ writes the rows (``ROW_FIELDS``), ``--quick`` runs a small smoke configuration. 
 - ``speed``: forward and forward+backward at GPT-2 small sizes, every Flax implementation (jitted
   over ``nnx.split``/``nnx.merge``) against torch eager and torch SDPA; median ms and the ratios
   ``time / torch-eager`` and ``time / torch-SDPA`` from the same run.
-- ``memory``: peak RSS growth of one forward (compile included) in a fresh subprocess each.
+- ``memory``: peak RSS growth of one forward and of one training step with dropout (compile
+  included) in a fresh subprocess each.
 - ``decode``: tokens/s of ``flax_attention.generate`` against a torch KV-cache loop and against
   recomputing the full causal pass per token; per-token time early vs late in the cache.
 - ``compile``: ``jax.jit(f).lower(...).compile()`` wall time of the GPT-2 small forward.

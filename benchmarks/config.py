@@ -34,10 +34,12 @@ class Config:
     #: ``reference`` forward+backward at b1 t4096 was measured (8.2 s per call, 5.9 GB peak RSS
     #: for the whole speed run) and fits this machine, so it is timed with the others.
     speed_skip: dict = dataclasses.field(default_factory=dict)
-    # memory: forward at batch 1, one fresh subprocess per measurement
+    # memory: forward (and a training step) at batch 1, one fresh subprocess per measurement
     memory_tokens: tuple[int, ...] = (4096, 8192, 32768)
     memory_reference_max_tokens: int = 8192  # Flax reference (materialises (h, t, t) scores)
     memory_eager_max_tokens: int = 4096  # torch eager (same; 9.8 GB and 27 s at t = 8192)
+    #: A training step with dropout (default implementation and ``blocked``) at these t.
+    memory_train_tokens: tuple[int, ...] = (8192,)
     #: Measurement subprocesses at a time. RSS is per process, so concurrency changes only the
     #: call times, which this section reports for information; the full run keeps 1.
     memory_jobs: int = 1
@@ -75,6 +77,7 @@ QUICK = Config(
     memory_tokens=(1024,),
     memory_reference_max_tokens=0,
     memory_eager_max_tokens=0,
+    memory_train_tokens=(256,),
     memory_jobs=2,
     decode_batches=(2,),
     decode_prompt=4,

@@ -1,4 +1,7 @@
-"""Section ``memory``: peak RSS growth of one forward at batch 1, one fresh subprocess each.
+"""Section ``memory``: peak RSS growth of one forward at batch 1, one fresh subprocess each;
+and of one training step with dropout 0.1 (``memory_train_tokens``; Flax only, the default
+implementation and ``blocked``: forward and backward through ``nnx.value_and_grad`` of
+``sum(y**2)``, the layer in train mode, so dropout runs inside the tiled kernels' tiles).
 
 Each measurement runs ``python -m benchmarks.memory WORKER_JSON`` in a new process that imports
 one framework, builds the module (random weights: memory does not depend on their values) and the
@@ -35,6 +38,10 @@ __all__ = ["measure", "plan_calls", "run"]
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 HEADS = 12
+#: Dropout rate of the training-step measurement.
+TRAIN_DROPOUT = 0.1
+#: Implementations whose training step is measured (``default``: what ``None`` picks).
+TRAIN_IMPLEMENTATIONS = ("default", "blocked")
 #: Timeout of one measurement subprocess (s).
 TIMEOUT_S = 900
 
@@ -86,25 +93,37 @@ def _worker(spec: dict) -> dict:
         import flax_attention as fa
 
         implementation = spec["implementation"]
+        train = spec.get("mode") == "train"
         module = fa.MultiHeadAttention(
             d_model,
             d_model,
             tokens,
-            0.0,
+            TRAIN_DROPOUT if train else 0.0,
             HEADS,
             True,
             implementation=None if implementation == "default" else implementation,
             rngs=nnx.Rngs(0),
         )
-        module.eval()
-        graphdef, state = nnx.split(module)
         x = jax.numpy.asarray(
             np.random.default_rng(0).standard_normal((batch, tokens, d_model), dtype=np.float32)
         )
-        forward = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x))
+        if train:
+            module.train()
 
-        def call():
-            return jax.block_until_ready(forward(state, x))
+            @nnx.jit
+            def step(module, x):
+                return nnx.value_and_grad(lambda module: (module(x) ** 2).sum())(module)
+
+            def call():
+                return jax.block_until_ready(step(module, x))
+
+        else:
+            module.eval()
+            graphdef, state = nnx.split(module)
+            forward = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x))
+
+            def call():
+                return jax.block_until_ready(forward(state, x))
 
     else:
         import torch
@@ -174,15 +193,17 @@ def measure(spec: dict, timeout_s: int = TIMEOUT_S) -> dict:
 
 
 def _plan(config):
-    """``(framework, implementation, tokens)`` in run order."""
+    """``(framework, implementation, tokens, mode)`` in run order."""
     plan = []
     for tokens in config.memory_tokens:
-        plan.append(("flax", "default", tokens))
+        plan.append(("flax", "default", tokens, "forward"))
         if tokens <= config.memory_reference_max_tokens:
-            plan.append(("flax", "reference", tokens))
+            plan.append(("flax", "reference", tokens, "forward"))
         if tokens <= config.memory_eager_max_tokens:
-            plan.append(("torch", "eager", tokens))
-        plan.append(("torch", "sdpa", tokens))
+            plan.append(("torch", "eager", tokens, "forward"))
+        plan.append(("torch", "sdpa", tokens, "forward"))
+    for tokens in config.memory_train_tokens:
+        plan += [("flax", impl, tokens, "train") for impl in TRAIN_IMPLEMENTATIONS]
     return plan
 
 
@@ -196,12 +217,13 @@ def run(config, progress=None, torch_threads=None) -> list[dict]:
     plan = _plan(config)
 
     def one(item):
-        framework, implementation, tokens = item
+        framework, implementation, tokens, mode = item
         spec = dict(
             framework=framework,
             implementation=implementation,
             batch=1,
             tokens=tokens,
+            mode=mode,
             torch_threads=torch_threads,
         )
         factor = 2.5 if implementation == "reference" else 3.5
@@ -222,16 +244,18 @@ def run(config, progress=None, torch_threads=None) -> list[dict]:
     with concurrent.futures.ThreadPoolExecutor(max_workers=config.memory_jobs) as pool:
         measured = list(pool.map(one, plan))
     rows, results = [], {}
-    for (framework, implementation, tokens), result in zip(plan, measured):
-        results[(implementation, tokens)] = result
+    for (framework, implementation, tokens, mode), result in zip(plan, measured):
+        if mode == "forward":
+            results[(implementation, tokens)] = result
         common = dict(batch=1, tokens=tokens, unit="MB")
         case = f"b1_t{tokens}"
+        mode = "forward" if mode == "forward" else f"train step, dropout {TRAIN_DROPOUT}"
         if "error" in result:
             rows.append(
                 make_row(
                     "memory",
                     case,
-                    "forward",
+                    mode,
                     framework,
                     implementation,
                     skipped=True,
@@ -245,7 +269,7 @@ def run(config, progress=None, torch_threads=None) -> list[dict]:
             make_row(
                 "memory",
                 case,
-                "forward",
+                mode,
                 framework,
                 implementation,
                 timing={"median_ms": result["seconds"] * 1e3, "min_ms": None, "repeats": 1},
@@ -254,9 +278,9 @@ def run(config, progress=None, torch_threads=None) -> list[dict]:
                 **common,
             )
         )
-    for row in rows:  # growth / torch SDPA's growth at the same t
+    for row in rows:  # a forward's growth / torch SDPA's growth at the same t
         sdpa = results.get(("sdpa", row["tokens"]), {})
-        if row["value"] is not None and sdpa.get("growth_bytes"):
+        if row["mode"] == "forward" and row["value"] is not None and sdpa.get("growth_bytes"):
             row["ratio_vs_sdpa"] = row["value"] * 1e6 / sdpa["growth_bytes"]
     return rows
 

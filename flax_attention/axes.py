@@ -7,9 +7,9 @@ Two mesh axes, by name:
 
 - ``data`` (``DATA``): the batch. Inputs are split over it, parameters replicated.
 - ``model`` (``MODEL``): the heads. Query/key/value projections split their output features over
-  it (``TO_HEADS``), ``out_proj`` its input features (``FROM_HEADS``); queries, keys, values and
-  decode caches ``(b, t, h, d)`` split their heads (``HEADS``), single-head layers their
-  features (``ONE_HEAD``).
+  it (``TO_HEADS``), ``out_proj`` its input features (``FROM_HEADS``); queries, keys and values
+  ``(b, t, h, d)`` split their heads (``HEADS``), decode caches ``(b, h, max_length, d)`` theirs
+  (``CACHE_HEADS``), single-head layers their features (``ONE_HEAD``, both layouts).
 
 A layer declares which of its sizes it splits over ``model`` by a ``model_axis_sizes()`` method
 (``SplitsOverModel``); ``flax_attention.shard`` checks those sizes and knows nothing else about
@@ -37,6 +37,7 @@ __all__ = [
     "DATA",
     "MODEL",
     "HEADS",
+    "CACHE_HEADS",
     "ONE_HEAD",
     "LinearAxes",
     "TO_HEADS",
@@ -67,11 +68,13 @@ class LinearAxes(NamedTuple):
 TO_HEADS = LinearAxes(kernel=(None, MODEL), bias=(MODEL,))
 #: Projections out of heads (``out_proj``): input features over ``model``, bias replicated.
 FROM_HEADS = LinearAxes(kernel=(MODEL, None), bias=(None,))
-#: Activations and decode caches ``(b, t, h, d)`` (any number of batch axes, ``data`` on the
-#: first one): each head on its device.
+#: Activations ``(b, t, h, d)`` (any number of batch axes, ``data`` on the first one): each head
+#: on its device.
 HEADS = (DATA, ..., None, MODEL, None)
-#: The same for single-head layers, ``(b, t, 1, d_out)``: features over ``model``, as their
-#: projections' output features.
+#: Decode caches, stored heads first ``(b, h, max_length, d)``: each head on its device.
+CACHE_HEADS = (DATA, ..., MODEL, None, None)
+#: The same for single-head layers, ``(b, t, 1, d_out)`` and their caches
+#: ``(b, 1, max_length, d_out)``: features over ``model``, as their projections' output features.
 ONE_HEAD = (DATA, ..., None, None, MODEL)
 
 

@@ -2,18 +2,24 @@
 
 A layer with a cache keeps, as ``nnx.Cache`` variables (state, not parameters):
 
-- ``cached_key``, ``cached_value``: ``(..., max_length, h, d)``, the projected keys and values of
-  every token seen so far (``h = 1``, ``d = d_out`` for the single-head ``CausalAttention``;
-  the wrapper keeps one cache per head), zeros beyond ``cache_index``;
+- ``cached_key``, ``cached_value``: ``(..., h, max_length, d)``, heads first, the projected keys
+  and values of every token seen so far (``h = 1``, ``d = d_out`` for the single-head
+  ``CausalAttention``; the wrapper keeps one cache per head), zeros beyond ``cache_index``;
 - ``cache_index``: int32 scalar, how many tokens the cache holds (the position of the next one).
 
 The layer declares all three in ``__init__`` as ``None`` and ``init_cache`` fills them from
 ``new_cache``; ``__call__(x, decode=True)`` passes them to ``append``. Nothing else is assumed
 of the layer: this module knows the variables, not the layers.
 
-The cached keys and values carry partition metadata like the keys and values themselves
-(``axes.HEADS``; ``axes.ONE_HEAD`` for a single head): ``flax_attention.shard`` places them, and
-``init_cache`` on a layer already sharded places them on its mesh (``place_like_parameters``).
+Heads first, because the attention reads the cache as it is stored: XLA's CPU dot takes the
+batch axes ``(b, h)`` leading, so a ``(..., max_length, h, d)`` cache was copied into that order
+on every step (about half the b8 decode time); now only the ``n`` new tokens are swapped into
+place (``append``) and the core reads the cache with ``kv_layout="hsd"``.
+
+The cached keys and values carry partition metadata like the keys and values themselves, heads
+over ``model`` (``axes.CACHE_HEADS``; ``axes.ONE_HEAD`` for a single head):
+``flax_attention.shard`` places them, and ``init_cache`` on a layer already sharded places them
+on its mesh (``place_like_parameters``).
 
 ``layer(x, decode=True)`` appends ``x``'s ``n >= 1`` tokens (a prompt chunk or one step) at
 ``cache_index`` and attends from them to every cached token at or before their own position, so
@@ -33,7 +39,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from flax_attention._checks import check_positive_int
-from flax_attention.axes import HEADS, ONE_HEAD, expand_axes
+from flax_attention.axes import CACHE_HEADS, ONE_HEAD, expand_axes
 
 __all__ = ["Decoder", "append", "generate", "new_cache", "poison_unless"]
 
@@ -63,8 +69,8 @@ def new_cache(
       heads, head_dim: the ``(h, d)`` of the layer's keys and values.
       dtype: of the cached keys and values.
 
-    Returns ``{"cached_key", "cached_value", "cache_index"}``: zeros ``(..., max_length, h, d)``
-    twice, with the keys' and values' partition metadata (``HEADS``, ``ONE_HEAD`` for one head),
+    Returns ``{"cached_key", "cached_value", "cache_index"}``: zeros ``(..., h, max_length, d)``
+    twice, with heads (one head: its features) over ``model`` (``CACHE_HEADS``, ``ONE_HEAD``),
     and an int32 zero.
     """
     batch_shape = (batch_size,) if isinstance(batch_size, numbers.Integral) else batch_size
@@ -78,10 +84,10 @@ def new_cache(
         raise ValueError(
             f"max_length ({max_length}) must not exceed context_length ({context_length})"
         )
-    shape = (*batch_shape, max_length, heads, head_dim)  # (..., max_length, h, d)
+    shape = (*batch_shape, heads, max_length, head_dim)  # (..., h, max_length, d)
     # Sharded like the keys and values: batch over "data", heads (one head: its features) over
     # "model".
-    axes = expand_axes(HEADS if heads > 1 else ONE_HEAD, len(shape))
+    axes = expand_axes(CACHE_HEADS if heads > 1 else ONE_HEAD, len(shape))
     cache = functools.partial(nnx.Cache, out_sharding=axes, eager_sharding=False)
     return {
         "cached_key": cache(jnp.zeros(shape, dtype)),
@@ -94,14 +100,15 @@ def append(cached_key, cached_value, cache_index, keys, values):
     """Write ``keys``/``values`` ``(..., n, h, d)`` into the cache at ``cache_index``.
 
     The three ``nnx.Cache`` variables are updated in place (``None`` for a layer without a cache
-    raises). Returns the whole cache ``(..., max_length, h, d)`` twice, the position of the first
-    new token (the queries' offset) and whether the tokens fitted (always ``True`` outside jit;
-    inside, an overflow leaves the cache as it was and the caller poisons its output).
+    raises). Returns the whole cache ``(..., h, max_length, d)`` twice (heads first: attend with
+    ``kv_layout="hsd"``), the position of the first new token (the queries' offset) and whether
+    the tokens fitted (always ``True`` outside jit; inside, an overflow leaves the cache as it
+    was and the caller poisons its output).
     """
     if cached_key is None or cached_value is None or cache_index is None:
         raise ValueError("decode (True) needs a decode cache (call init_cache(batch_size) first)")
     cache_shape = cached_key.shape
-    num_new, max_length = keys.shape[-3], cache_shape[-3]
+    num_new, max_length = keys.shape[-3], cache_shape[-2]
     if keys.shape[:-3] != cache_shape[:-3]:
         raise ValueError(
             f"x's batch shape ({keys.shape[:-3]}) must equal the cache's batch shape "
@@ -120,9 +127,10 @@ def append(cached_key, cached_value, cache_index, keys, values):
     fits = index + num_new <= max_length
 
     def write(cache, new):  # only the new tokens' slots; the old ones again if no fit
-        axis = cache.ndim - 3
+        axis = cache.ndim - 2
+        new = jnp.swapaxes(new, -3, -2).astype(cache.dtype)  # (..., h, n, d): n tokens only
         old = jax.lax.dynamic_slice_in_dim(cache, index, num_new, axis)
-        new = jnp.where(fits, new.astype(cache.dtype), old)
+        new = jnp.where(fits, new, old)
         return jax.lax.dynamic_update_slice_in_dim(cache, new, index, axis)
 
     cached_key[...] = write(cached_key[...], keys)
@@ -172,7 +180,7 @@ def generate(module, prompt, num_steps: int, next_input=_identity):
     if not layers or any(layer.cache_index is None for layer in layers):
         raise ValueError("module must have a decode cache (call init_cache(batch_size) first)")
     for layer in layers:
-        index, max_length = int(layer.cache_index[...]), layer.cached_key.shape[-3]
+        index, max_length = int(layer.cache_index[...]), layer.cached_key.shape[-2]
         needed = prompt.shape[-2] + num_steps
         if index + needed > max_length:
             raise ValueError(

@@ -99,9 +99,10 @@ def causal_attention(
     layer runs it. With ``cache`` (the layer's ``(cached_key, cached_value, cache_index)``, for
     ``decode=True``) the new keys and values go into the cache first and the queries attend to
     all of it from their own position; an overflow inside jit gives NaN."""
-    offset, fits = 0, None
-    if cache is not None:
+    offset, fits, kv_layout = 0, None, "shd"
+    if cache is not None:  # the whole cache, heads first
         keys, values, offset, fits = decode_cache.append(*cache, keys, values)
+        kv_layout = "hsd"
     context_vec, _ = dot_product_attention(
         queries,
         keys,
@@ -113,6 +114,7 @@ def causal_attention(
         implementation=implementation,
         need_weights=False,
         block_sizes=block_sizes,
+        kv_layout=kv_layout,
     )  # (..., t, h, d)
     return context_vec if fits is None else decode_cache.poison_unless(fits, context_vec)
 
@@ -171,7 +173,7 @@ class CausalAttention(nnx.Module):
         self.W_key = linear(d_in, d_out, use_bias=qkv_bias, axes=TO_HEADS)
         self.W_value = linear(d_in, d_out, use_bias=qkv_bias, axes=TO_HEADS)
         self.dropout = nnx.Dropout(dropout, rngs=rngs)
-        # The decode cache (``init_cache``): keys, values (..., max_length, 1, d_out), index.
+        # The decode cache (``init_cache``): keys, values (..., 1, max_length, d_out), index.
         self.cached_key: nnx.Cache | None = nnx.data(None)
         self.cached_value: nnx.Cache | None = nnx.data(None)
         self.cache_index: nnx.Cache | None = nnx.data(None)

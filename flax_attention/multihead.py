@@ -95,7 +95,7 @@ class MultiHeadAttention(nnx.Module):
         self.W_value = linear(d_in, d_out, use_bias=qkv_bias, axes=TO_HEADS)
         self.out_proj = linear(d_out, d_out, axes=FROM_HEADS)  # always biased, as in the documents
         self.dropout = nnx.Dropout(dropout, rngs=rngs)
-        # The decode cache (``init_cache``): keys, values (..., max_length, h, d), index.
+        # The decode cache (``init_cache``): keys, values (..., h, max_length, d), index.
         self.cached_key: nnx.Cache | None = nnx.data(None)
         self.cached_value: nnx.Cache | None = nnx.data(None)
         self.cache_index: nnx.Cache | None = nnx.data(None)

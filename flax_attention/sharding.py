@@ -9,7 +9,7 @@ layers only through what they declare:
   their output features over ``model`` (kernel ``(None, "model")``, bias ``("model",)``),
   ``out_proj`` (and document 001's fourth projection) its input features (kernel
   ``("model", None)``, bias replicated), so its matmul reduces over ``model`` (one all-reduce
-  per layer); decode caches ``(b, max_length, h, d)`` split batch over ``data`` and heads over
+  per layer); decode caches ``(b, h, max_length, d)`` split batch over ``data`` and heads over
   ``model`` (one head: its features);
 - every layer's ``model_axis_sizes()`` (``axes.SplitsOverModel``): the sizes it splits over
   ``model`` (``num_heads``, or ``d_out`` for a single head), which the mesh's ``model`` axis must

@@ -87,7 +87,7 @@ MULTI_HEAD = ("MultiHeadAttention", "MultiHeadedAttention")
 DECODERS = ("MultiHeadAttention", "CausalAttention", "MultiHeadAttentionWrapper")
 
 #: What the partition metadata must say, by the parameter's last two path parts.
-HEADS_SPEC = P("data", None, "model", None)  # (b, t, h, d): q/k/v and the decode cache
+CACHE_SPEC = P("data", "model", None, None)  # (b, h, max_length, d): the decode cache
 ROW = ("model", None)  # out_proj, proj_weights.3: input features (heads) over model
 COLUMN = (None, "model")  # query/key/value projections: output features (heads) over model
 
@@ -271,10 +271,10 @@ def test_decode_equals_one_device(name, shape, kind):
         value = variable[...]
         if path[-1] == "cache_index":
             want = P()
-        elif value.shape[-2] == 1:  # one head: features over model
+        elif value.shape[-3] == 1:  # one head: features over model
             want = P("data", None, None, "model")
         else:
-            want = HEADS_SPEC
+            want = CACHE_SPEC
         assert placed_as(value, mesh, want), f"{'.'.join(map(str, path))}: {value.sharding}"
     with jax.set_mesh(mesh):
         actual = {"out": _decode(sharded, tokens, mesh)}
@@ -529,4 +529,4 @@ def test_the_docs_scaling_out_example_runs_and_shards_what_it_says():
     mesh, cache = namespace["mesh"], mha.cached_key[...]
     assert y.shape == (8, 128, 64) and placed_as(y, mesh, P("data")), y.sharding
     assert y_step.shape == (8, 1, 64)
-    assert placed_as(cache, mesh, HEADS_SPEC), cache.sharding
+    assert placed_as(cache, mesh, CACHE_SPEC), cache.sharding

@@ -11,6 +11,9 @@ Two levels:
 2. The core function on the shapes the layers do not reach: one token, cross lengths, a key
    length that is not a multiple of the tile, padding and arbitrary masks, a fully masked row,
    queries at an offset (decode), ``v_dim != k_dim``.
+3. Dropout inside the tiles: ``blocked`` (and ``native``) with the hash's keep-mask equal
+   ``reference`` given ``dropout_hash.keep_mask`` as its dropout, forward and gradients, and
+   ``blocked`` equals ``native`` for the same layer seed.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ import flax_attention as fa
 import flax_attention.core as core
 from conformance_tests import harness, spec
 from conformance_tests.tolerances import tolerance
-from flax_attention.kernels import blocked, native
+from flax_attention.kernels import blocked, dropout_hash, native
+from flax_attention.masking import AttentionMask
 
 CPU = harness.backends(["cpu"])[0]
 #: The faster implementations on this machine: ``native`` where its kernel is built here.
@@ -224,6 +228,28 @@ def test_blocked_skips_the_tiles_the_causal_mask_removes():
     assert [int(blocked._first_query_block(config, 0, j)) for j in range(4)] == [0, 1, 2, 3]
 
 
+def test_blocked_masks_only_the_tiles_that_need_it():
+    """The causal and padding ``where`` runs on the diagonal tiles and on a last key tile that
+    holds padding only: query tile ``i`` sees key tiles ``0..i-1`` entirely (the diagonal tile
+    ``i`` is masked), key tile ``j`` is seen entirely from query tile ``j + 1``; at an offset
+    the diagonal moves; a key length that does not divide the tile masks its last key tile for
+    every query tile."""
+    config = blocked._Config(4, 4, 16, 16, True, -np.inf, None)
+    assert [int(blocked._full_key_blocks(config, 0, i)) for i in range(4)] == [0, 1, 2, 3]
+    assert [int(blocked._first_full_query_block(config, 0, j)) for j in range(4)] == [1, 2, 3, 4]
+    # Decode chunk: 4 queries at offset 5 over 16 keys: query 5 sees key tile 0 and key 5 of 1.
+    chunk = blocked._Config(4, 4, 4, 16, True, -np.inf, None)
+    assert int(blocked._full_key_blocks(chunk, 5, 0)) == 1
+    assert int(blocked._key_blocks(chunk, 5, 0)) == 3
+    assert [int(blocked._first_full_query_block(chunk, 5, j)) for j in range(4)] == [0, 1, 1, 1]
+    padded = blocked._Config(4, 4, 16, 14, False, -np.inf, None)  # 14 keys: 2 of padding
+    assert [int(blocked._full_key_blocks(padded, 0, i)) for i in range(4)] == [3, 3, 3, 3]
+    assert [int(blocked._first_full_query_block(padded, 0, j)) for j in range(4)] == [0, 0, 0, 4]
+    dense = blocked._Config(4, 4, 16, 16, False, -np.inf, None)
+    assert [int(blocked._full_key_blocks(dense, 0, i)) for i in range(4)] == [4, 4, 4, 4]
+    assert [int(blocked._first_full_query_block(dense, 0, j)) for j in range(4)] == [0, 0, 0, 0]
+
+
 def test_block_sizes_are_an_argument_that_changes_the_tiles_not_the_numbers():
     """The same call with 4 x 4, 3 x 5 and automatic tiles: the same output (to float32
     rounding); ``BlockSizes.automatic`` follows ``TILE_BYTES``; bad sizes are refused."""
@@ -273,9 +299,12 @@ def test_none_picks_reference_for_weights_and_a_tiled_kernel_for_long_inputs():
     dropout = nnx.Dropout(0.5, rngs=nnx.Rngs(0))
     tiled = "native" if native.available() else "blocked"
     assert core.select_implementation(long, long, need_weights=True) == "reference"
-    if jax.default_backend() == "cpu":  # dropout inside native's tiles, else reference's
-        expected = "native" if native.available() else "reference"
-        assert core.select_implementation(long, long, dropout=dropout) == expected
+    if jax.default_backend() == "cpu":  # an nnx.Dropout runs inside the tiles
+        assert core.select_implementation(long, long, dropout=dropout) == tiled
+        assert core.select_implementation(long.astype(jnp.float16), long, dropout=dropout) == (
+            "blocked"
+        )
+        # Any other dropout callable (the harness's fixed masks): reference.
         assert core.select_implementation(long, long, dropout=lambda w: w) == "reference"
         assert core.select_implementation(short, short, dropout=dropout) == "reference"
         dropout.eval()
@@ -285,7 +314,8 @@ def test_none_picks_reference_for_weights_and_a_tiled_kernel_for_long_inputs():
 
 
 def test_train_mode_dropout_still_works_with_the_default_implementation():
-    """Dropout lives in ``reference`` and ``native``: ``None`` picks one in train mode."""
+    """Dropout lives in ``reference``, ``blocked`` and ``native``: ``None`` picks one in train
+    mode."""
     layer = fa.MultiHeadAttention(8, 8, 128, 0.5, 2, rngs=nnx.Rngs(0))
     x = jnp.asarray(np.random.default_rng(0).standard_normal((1, 128, 8)), jnp.float32)
     layer.eval()
@@ -295,3 +325,188 @@ def test_train_mode_dropout_still_works_with_the_default_implementation():
     assert float(jnp.abs(dropped - clean).max()) > 1e-2  # dropout changed the output
     layer.eval()
     np.testing.assert_array_equal(np.asarray(layer(x)), np.asarray(clean))
+
+
+# ---- dropout inside the tiles -----------------------------------------------------------------
+
+
+def _grads(fn, q, k, v, cotangent):
+    def loss(q, k, v):
+        out = fn(q, k, v)
+        return (out * cotangent).sum(), out
+
+    with jax.default_matmul_precision("highest"):
+        (_, out), grads = jax.jit(jax.value_and_grad(loss, (0, 1, 2), has_aux=True))(q, k, v)
+    return {"out": out, "d_query": grads[0], "d_key": grads[1], "d_value": grads[2]}
+
+
+def _assert_all_close(expected, actual, what):
+    _assert_close(
+        {"out": expected["out"]}, {"out": actual["out"]}, tolerance("float32", "forward"), what
+    )
+    grads = [n for n in expected if n != "out"]
+    _assert_close(
+        {n: expected[n] for n in grads},
+        {n: actual[n] for n in grads},
+        tolerance("float32", "grad"),
+        what,
+    )
+
+
+@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
+def test_blocked_dropout_equals_reference_with_the_same_mask(is_causal):
+    """``blocked`` with dropout inside its tiles equals ``reference`` whose dropout applies
+    ``dropout_hash.keep_mask(seed, (B, h, t, s), rate)`` scaled by ``1 / (1 - rate)`` (two
+    batch axes flattened into ``B``, tiles crossing the lengths, a padding mask with document
+    001's fill), forward and gradients; and ``native`` with the same seed drops the same
+    weights."""
+    rate, seed = 0.3, 1234
+    q, k, v, mask, cotangent = _core_inputs((2, 3), 13, 11, 2, 4, 4, "padding")
+    keep = dropout_hash.keep_mask(seed, (6, 2, 13, 11), rate).reshape(2, 3, 2, 13, 11)
+
+    def reference(q, k, v):
+        def dropout(weights):
+            return jnp.where(keep, weights / (1 - rate), 0.0)
+
+        return core.dot_product_attention(
+            q, k, v, mask, is_causal=is_causal, fill_value=-1e10, dropout=dropout
+        )[0]
+
+    def tiled(kernel, **kwargs):
+        def fn(q, k, v):
+            attention_mask = AttentionMask.build(
+                mask, is_causal=is_causal, fill_value=-1e10, dtype=q.dtype
+            )
+            return kernel(q, k, v, attention_mask, dropout_rate=rate, dropout_seed=seed, **kwargs)
+
+        return fn
+
+    expected = _grads(reference, q, k, v, cotangent)
+    actual = _grads(tiled(blocked.blocked_attention, block_sizes=SMALL_TILES), q, k, v, cotangent)
+    _assert_all_close(expected, actual, "blocked dropout")
+    clean = core.dot_product_attention(
+        q,
+        k,
+        v,
+        mask,
+        is_causal=is_causal,
+        fill_value=-1e10,
+        implementation="blocked",
+        need_weights=False,
+        block_sizes=SMALL_TILES,
+    )[0]
+    assert float(jnp.abs(clean - actual["out"]).max()) > 0.1  # dropout changed it
+    if native.available():
+        fast = _grads(tiled(native.native_attention, block_q=4), q, k, v, cotangent)
+        _assert_all_close(actual, fast, "blocked vs native dropout")
+
+
+@pytest.mark.parametrize("implementation", [i for i in FAST if i != "xla"])
+def test_tiled_dropout_draws_its_seed_from_the_layers_stream(implementation):
+    """Through the core with an active ``nnx.Dropout``: ``blocked`` and ``native`` take a uint32
+    seed from the dropout's own RNG stream (``jax.random.bits``) and equal ``reference`` given
+    that seed's ``keep_mask``, gradients too; the next call draws a new seed."""
+    rate = 0.2
+    q, k, v, _, cotangent = _core_inputs((2,), 9, 9, 3, 4, 4, None)
+    seed = jax.random.bits(nnx.Dropout(rate, rngs=nnx.Rngs(7)).rngs(), dtype=jnp.uint32)
+    keep = dropout_hash.keep_mask(seed, (2, 3, 9, 9), rate)
+
+    def reference(q, k, v):
+        def dropout(weights):
+            return jnp.where(keep, weights / (1 - rate), 0.0)
+
+        return core.dot_product_attention(q, k, v, is_causal=True, dropout=dropout)[0]
+
+    class Layer(nnx.Module):  # trained as a layer is: nnx transforms carry the RNG count
+        def __init__(self):
+            self.q, self.k, self.v = nnx.Param(q), nnx.Param(k), nnx.Param(v)
+            self.dropout = nnx.Dropout(rate, rngs=nnx.Rngs(7))
+
+        def __call__(self):
+            return core.dot_product_attention(
+                self.q[...],
+                self.k[...],
+                self.v[...],
+                is_causal=True,
+                dropout=self.dropout,
+                implementation=implementation,
+                need_weights=False,
+                block_sizes=SMALL_TILES,
+            )[0]
+
+    @nnx.jit
+    def step(layer):
+        def loss(layer):
+            out = layer()
+            return (out * cotangent).sum(), out
+
+        with jax.default_matmul_precision("highest"):
+            (_, out), grads = nnx.value_and_grad(loss, has_aux=True)(layer)
+        return {"out": out, "d_query": grads.q[...], "d_key": grads.k[...], "d_value": grads.v[...]}
+
+    layer = Layer()
+    expected = _grads(reference, q, k, v, cotangent)
+    first = step(layer)
+    _assert_all_close(expected, first, implementation)
+    second = step(layer)
+    assert np.abs(np.asarray(first["out"]) - np.asarray(second["out"])).max() > 0.1  # new seed
+
+
+# ---- keys and values heads first (the decode cache's layout) ----------------------------------
+
+
+@pytest.mark.parametrize("name", ["cross_random_mask", "decode_offset", "v_dim_differs"])
+@pytest.mark.parametrize("implementation", ["reference", *FAST])
+def test_keys_and_values_heads_first_give_the_same_call(implementation, name):
+    """``kv_layout="hsd"`` (keys and values ``(..., h, s, d)``) equals the same call with them
+    laid out as the queries, forward and gradients (the key and value gradients come back in
+    the layout they were given)."""
+    case = next(c for c in CORE_CASES if c[0] == name)
+    _, batch, t, s, h, d_k, d_v, is_causal, mask_kind, offset, fill = case
+    if implementation == "xla" and d_v != d_k:
+        pytest.skip("xla needs d_v == d_k (test_core_equals_reference)")
+    q, k, v, mask, cotangent = _core_inputs(batch, t, s, h, d_k, d_v, mask_kind)
+
+    def run(kv_layout, k, v):
+        def fn(q, k, v):
+            return core.dot_product_attention(
+                q,
+                k,
+                v,
+                mask,
+                is_causal=is_causal,
+                query_offset=offset,
+                fill_value=fill,
+                implementation=implementation,
+                need_weights=False,
+                block_sizes=SMALL_TILES,
+                kv_layout=kv_layout,
+            )[0]
+
+        return _grads(fn, q, k, v, cotangent)
+
+    expected = run("shd", k, v)
+    actual = run("hsd", np.swapaxes(k, -3, -2), np.swapaxes(v, -3, -2))
+    actual["d_key"] = jnp.swapaxes(actual["d_key"], -3, -2)
+    actual["d_value"] = jnp.swapaxes(actual["d_value"], -3, -2)
+    _assert_all_close(expected, actual, f"{implementation} {name}")
+
+
+def test_none_with_keys_heads_first_reads_them_in_place():
+    """Keys and values heads first (the decode cache) on the CPU: one query runs ``reference``,
+    a few ``blocked`` (both read them in place), from ``NATIVE_MIN_QUERIES_HSD`` the usual
+    tiled kernel (``native`` copies them into its order once per call); a bad layout is
+    refused."""
+    keys = jnp.ones((1, 1, 4096, 2))  # (b, h, s, d)
+    one, few, many = (jnp.ones((1, t, 1, 2)) for t in (1, 16, core.NATIVE_MIN_QUERIES_HSD))
+    tiled = "native" if native.available() else "blocked"
+    if jax.default_backend() == "cpu":
+        assert core.select_implementation(one, keys, kv_layout="hsd") == "reference"
+        assert core.select_implementation(few, keys, kv_layout="hsd") == "blocked"
+        assert core.select_implementation(many, keys, kv_layout="hsd") == tiled
+        shd = jnp.swapaxes(keys, 1, 2)
+        assert core.select_implementation(one, shd) == tiled
+        short = jnp.ones((1, 1, 64, 2))  # 64 scores per head: under the tiled kernels' bound
+        assert core.select_implementation(few, short, kv_layout="hsd") == "reference"
+    with pytest.raises(ValueError, match=r"kv_layout \('bshd'\) must be one of \('shd', 'hsd'\)"):
+        core.dot_product_attention(one, keys, keys, kv_layout="bshd")

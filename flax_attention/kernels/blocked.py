@@ -5,9 +5,21 @@ block ``i`` visits key blocks ``0 .. last_key_block(i)`` only (all of them witho
 so the tiles the causal mask removes entirely are skipped; memory ``O(t * block)``, gradients
 too (the backward recomputes the tiles).
 
+Dropout on the weights happens inside the tiles: each tile's keep-mask is regenerated, in the
+forward and again in the backward, from the counter-based hash of (seed, batch, head, query,
+key) of ``dropout_hash`` (global indices, so the native kernel with the same seed drops the same
+weights, and ``reference`` given ``dropout_hash.keep_mask`` computes the same function); kept
+weights are scaled by ``1 / (1 - rate)``.
+
 Layout inside the kernel: ``(B, h, n, d)`` with the leading axes flattened into ``B``; the query
 axis padded to a multiple of ``block_q``, the key axis to a multiple of ``block_k``. The tile
 sizes are a ``BlockSizes`` argument; ``BlockSizes.automatic`` picks them from the shape.
+
+Work per tile, kept small: the ``1 / sqrt(d_k)`` scale is folded into the queries once, before
+the tiles (exact when ``d_k`` is a power of 4, e.g. 16, 64, 256; one rounding of ``q`` else);
+the causal and padding ``where`` runs only on the tiles that need it, the tiles the diagonal
+crosses and the last key tile when the key length does not divide the tile (the loops over key
+blocks, and in the backward over query blocks, are split into a masked and an unmasked range).
 """
 
 from __future__ import annotations
@@ -20,6 +32,7 @@ import numbers
 import jax
 import jax.numpy as jnp
 
+from flax_attention.kernels import dropout_hash
 from flax_attention.masking import AttentionMask, flatten_mask
 
 __all__ = ["TILE_BYTES", "TILE_EDGES", "BlockSizes", "blocked_attention"]
@@ -74,29 +87,64 @@ def blocked_attention(
     *,
     precision=None,
     block_sizes: BlockSizes | None = None,
+    dropout_rate: float = 0.0,
+    dropout_seed=None,
+    kv_heads_first: bool = False,
 ):
     """``(..., t, h, d_k), (..., s, h, d_k), (..., s, h, d_v)`` -> ``(..., t, h, d_v)``, with
-    what ``attention_mask`` hides; equal to ``reference`` without its scores in memory."""
-    lead, (t, h, _), s = queries.shape[:-3], queries.shape[-3:], keys.shape[-3]
+    what ``attention_mask`` hides; equal to ``reference`` without its scores in memory.
+    ``kv_heads_first``: keys and values come as ``(..., h, s, d)`` (the kernel's own order:
+    not transposed).
+
+    ``dropout_rate`` > 0 drops weights inside the tiles where ``dropout_hash.keep_mask(
+    dropout_seed, (B, h, t, s), dropout_rate)`` is ``False`` (``B`` the flattened leading axes)
+    and scales the others by ``1 / (1 - rate)``; ``dropout_seed`` (uint32, an int or a traced
+    scalar) is then required.
+    """
+    drop_threshold = dropout_hash.threshold(dropout_rate)
+    if drop_threshold and dropout_seed is None:
+        raise ValueError(
+            f"dropout_seed (None) must be given when dropout_rate ({dropout_rate}) > 0"
+        )
+    lead, (t, h, _) = queries.shape[:-3], queries.shape[-3:]
+    s = keys.shape[-2] if kv_heads_first else keys.shape[-3]
     if block_sizes is None:
         block_sizes = BlockSizes.automatic(math.prod(lead) * h)
     dtype = queries.dtype
     bq, bk = min(block_sizes.block_q, t), min(block_sizes.block_k, s)
     tp, sp = -(-t // bq) * bq, -(-s // bk) * bk
 
-    def to_kernel(x, length, padded):  # (..., n, h, d) -> (B, h, n_padded, d)
-        x = jnp.swapaxes(x.reshape(-1, *x.shape[-3:]), 1, 2)
+    def to_kernel(x, length, padded, heads_first=False):  # -> (B, h, n_padded, d)
+        x = x.reshape(-1, *x.shape[-3:])  # (B, n, h, d), or (B, h, n, d) heads first
+        if not heads_first:
+            x = jnp.swapaxes(x, 1, 2)
         return jnp.pad(x, ((0, 0), (0, 0), (0, padded - length), (0, 0)))
 
-    q, k, v = to_kernel(queries, t, tp), to_kernel(keys, s, sp), to_kernel(values, s, sp)
+    # The scale folded into the queries once (in float32, back to their dtype); its gradient is
+    # JAX's, outside the custom VJP.
+    scale = jnp.float32(queries.shape[-1] ** -0.5)
+    scaled = (queries.astype(jnp.float32) * scale).astype(dtype)
+    q = to_kernel(scaled, t, tp)
+    k, v = (to_kernel(x, s, sp, kv_heads_first) for x in (keys, values))
     keep = attention_mask.keep
     if keep is not None:
         keep = flatten_mask(keep, lead, h, t, s)  # (B|1, h|1, t|1, s|1)
         pads = [(0, 0), (0, 0), (0, tp - t if keep.shape[2] > 1 else 0)]
         keep = jnp.pad(keep, [*pads, (0, sp - s if keep.shape[3] > 1 else 0)])
-    config = _Config(bq, bk, t, s, attention_mask.is_causal, attention_mask.fill_value, precision)
+    config = _Config(
+        bq,
+        bk,
+        t,
+        s,
+        attention_mask.is_causal,
+        attention_mask.fill_value,
+        precision,
+        drop_threshold,
+        1.0 / (1.0 - dropout_rate),
+    )
     offset = jnp.asarray(attention_mask.query_offset, jnp.int32)
-    out = _blocked(config, q, k, v, keep, offset)  # (B, h, tp, d_v)
+    seed = jnp.asarray(0 if dropout_seed is None else dropout_seed, jnp.uint32)
+    out = _blocked(config, q, k, v, keep, offset, seed)  # (B, h, tp, d_v)
     out = jnp.swapaxes(out[:, :, :t], 1, 2).astype(dtype)  # (B, t, h, d_v)
     return out.reshape(*lead, *out.shape[1:])
 
@@ -112,22 +160,25 @@ class _Config:
     is_causal: bool
     fill_value: float
     precision: object
+    drop_threshold: int = 0  # dropout: keep a weight where its hash >= this (0: no dropout)
+    drop_scale: float = 1.0  # 1 / (1 - rate)
 
     def mask(self, offset) -> AttentionMask:
         """The call's ``AttentionMask`` without the caller's mask (passed to the tiles apart)."""
         return AttentionMask(None, self.fill_value, self.is_causal, offset)
 
 
-def _tile_scores(config, q_i, k_j, keep, offset, i, j):
-    """Scaled, masked float32 scores of query block ``i`` against key block ``j``, and the
-    caller's keep-mask tile (``None`` without a mask)."""
+def _tile_scores(config, q_i, k_j, keep, offset, i, j, masked=True):
+    """Masked float32 scores of query block ``i`` (already scaled) against key block ``j``, and
+    the caller's keep-mask tile (``None`` without a mask). ``masked=False``: the tile needs no
+    causal or padding mask (``_full_key_blocks``, ``_first_full_query_block``)."""
     scores = jnp.einsum(
         "bhtd,bhsd->bhts",
         q_i,
         k_j,
         precision=config.precision,
         preferred_element_type=jnp.float32,
-    ) / jnp.float32(q_i.shape[-1] ** 0.5)  # (B, h, bq, bk)
+    )  # (B, h, bq, bk)
     tile = None
     if keep is not None:
         rows = (
@@ -141,12 +192,30 @@ def _tile_scores(config, q_i, k_j, keep, offset, i, j):
             else rows
         )
     mask = config.mask(offset)
+    if not masked:
+        return mask.apply(scores, tile), tile
     key_pos = j * config.bk + jnp.arange(config.bk)[None, :]  # (1, bk)
     visible = key_pos < config.s  # padding keys never count
     if config.is_causal:
         query_pos = i * config.bq + jnp.arange(config.bq)[:, None]  # (bq, 1)
         visible = visible & mask.visible(query_pos, key_pos)  # (bq, bk)
     return mask.apply(scores, tile, visible), tile
+
+
+def _row_hashes(config, seed, batch, heads, tp):
+    """The dropout hash of every query row ``(B, h, tp)`` (``None`` without dropout)."""
+    if not config.drop_threshold:
+        return None
+    return dropout_hash.row_hash(seed, batch, heads, tp)
+
+
+def _dropout_tile(config, hashes, i, j):
+    """The dropout factor of tile ``(i, j)``, ``(B, h, bq, bk)`` float32: ``1 / (1 - rate)``
+    where the hash keeps the weight, else 0. ``hashes``: ``_row_hashes``."""
+    rows_i = jax.lax.dynamic_slice_in_dim(hashes, i * config.bq, config.bq, 2)  # (B, h, bq)
+    keys = (j * config.bk + jnp.arange(config.bk)).astype(jnp.uint32)  # (bk,)
+    kept = dropout_hash.key_bits(rows_i, keys) >= jnp.uint32(config.drop_threshold)
+    return jnp.where(kept, jnp.float32(config.drop_scale), jnp.float32(0.0))
 
 
 def _key_blocks(config, offset, i):
@@ -165,26 +234,58 @@ def _first_query_block(config, offset, j):
     return jnp.clip((j * config.bk - offset) // config.bq, 0, None)
 
 
-def _blocked_forward(config, q, k, v, keep, offset):
+def _padded_keys(config) -> bool:
+    """Whether the last key block holds padding (the key length does not divide the tile)."""
+    return config.s % config.bk != 0
+
+
+def _full_key_blocks(config, offset, i):
+    """How many key blocks, from 0, query block ``i`` sees entirely: no causal or padding mask
+    on them. The key blocks from there to ``_key_blocks`` need the mask."""
+    nk = -(-config.s // config.bk)
+    last = nk - 1 if _padded_keys(config) else nk
+    if not config.is_causal:
+        return last
+    # Block j is entirely visible from the block's first query: (j + 1) * bk - 1 <= offset + i * bq.
+    full = (offset + i * config.bq + 1) // config.bk
+    return jnp.clip(full, 0, jnp.minimum(last, _key_blocks(config, offset, i)))
+
+
+def _first_full_query_block(config, offset, j):
+    """The first query block that sees every key of block ``j`` (no causal or padding mask from
+    there on); the blocks from ``_first_query_block`` up to it need the mask."""
+    nq, nk = -(-config.t // config.bq), -(-config.s // config.bk)
+    full = first = _first_query_block(config, offset, j)
+    if config.is_causal:  # the block's first query sees its last key: (j + 1) * bk - 1 <= ...
+        full = jnp.clip(-(-((j + 1) * config.bk - 1 - offset) // config.bq), first, nq)
+    if _padded_keys(config):  # the last key block holds padding: masked for every query block
+        full = jnp.where(j == nk - 1, nq, full)
+    return full
+
+
+def _blocked_forward(config, q, k, v, keep, offset, seed):
     """``(out, m, denom)``: ``(B, h, tp, d_v)`` float32, the rows' running max and softmax
     denominator ``(B, h, tp)``, kept apart: ``m + log(denom)`` loses ``log(denom)`` when ``m``
     is ``-1e10``."""
     batch, heads, tp, _ = q.shape
     d_v = v.shape[-1]
+    hashes = _row_hashes(config, seed, batch, heads, tp)
 
     def query_block(i):
         q_i = jax.lax.dynamic_slice_in_dim(q, i * config.bq, config.bq, 2)  # (B, h, bq, d)
 
-        def key_block(j, carry):
+        def key_block(j, carry, masked):
             m, denom, acc = carry
             k_j = jax.lax.dynamic_slice_in_dim(k, j * config.bk, config.bk, 2)
             v_j = jax.lax.dynamic_slice_in_dim(v, j * config.bk, config.bk, 2)
-            scores, _ = _tile_scores(config, q_i, k_j, keep, offset, i, j)  # (B, h, bq, bk)
+            scores, _ = _tile_scores(config, q_i, k_j, keep, offset, i, j, masked)  # (B, h, bq, bk)
             m_new = jnp.maximum(m, scores.max(-1))
             m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)  # rows with nothing seen yet
             p = jnp.exp(scores - m_safe[..., None])
             alpha = jnp.exp(m - m_safe)
-            denom = alpha * denom + p.sum(-1)
+            denom = alpha * denom + p.sum(-1)  # the softmax's, before dropout
+            if hashes is not None:
+                p = p * _dropout_tile(config, hashes, i, j)
             pv = jnp.einsum(
                 "bhts,bhsd->bhtd",
                 p.astype(v.dtype),
@@ -199,7 +300,11 @@ def _blocked_forward(config, q, k, v, keep, offset):
             jnp.zeros((batch, heads, config.bq), jnp.float32),
             jnp.zeros((batch, heads, config.bq, d_v), jnp.float32),
         )
-        m, denom, acc = jax.lax.fori_loop(0, _key_blocks(config, offset, i), key_block, init)
+        full, needed = _full_key_blocks(config, offset, i), _key_blocks(config, offset, i)
+        carry = jax.lax.fori_loop(0, full, functools.partial(key_block, masked=False), init)
+        m, denom, acc = jax.lax.fori_loop(
+            full, needed, functools.partial(key_block, masked=True), carry
+        )
         m_safe = jnp.where(jnp.isneginf(m), 0.0, m)
         return acc / denom[..., None], m_safe, denom  # a fully masked -inf row: 0/0, as softmax
 
@@ -210,22 +315,23 @@ def _blocked_forward(config, q, k, v, keep, offset):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _blocked(config, q, k, v, keep, offset):
-    return _blocked_forward(config, q, k, v, keep, offset)[0]
+def _blocked(config, q, k, v, keep, offset, seed):
+    return _blocked_forward(config, q, k, v, keep, offset, seed)[0]
 
 
-def _blocked_fwd(config, q, k, v, keep, offset):
-    out, m, denom = _blocked_forward(config, q, k, v, keep, offset)
-    return out, (q, k, v, keep, offset, out, m, denom)
+def _blocked_fwd(config, q, k, v, keep, offset, seed):
+    out, m, denom = _blocked_forward(config, q, k, v, keep, offset, seed)
+    return out, (q, k, v, keep, offset, seed, out, m, denom)
 
 
 def _blocked_bwd(config, residuals, d_out):
     """Flash-attention backward: per key block, recompute its tiles, accumulate dK, dV (carried)
-    and dQ (one ``(B, h, tp, d)`` buffer updated in place); memory ``O(t * block)``."""
-    q, k, v, keep, offset, out, m, denom = residuals
+    and dQ (one ``(B, h, tp, d)`` buffer updated in place); memory ``O(t * block)``. With
+    dropout factors ``D`` (the forward's): ``dV += (P * D)^T dO``, ``dP = (dO V^T) * D``."""
+    q, k, v, keep, offset, seed, out, m, denom = residuals
     d_out = d_out.astype(jnp.float32)
-    delta = (d_out * out).sum(-1)  # (B, h, tp): rowsum(dO * O)
-    scale = jnp.float32(q.shape[-1] ** -0.5)
+    delta = (d_out * out).sum(-1)  # (B, h, tp): rowsum(dO * O) = rowsum(P * dP)
+    hashes = _row_hashes(config, seed, *q.shape[:3])
     nq = q.shape[2] // config.bq
 
     def dot(spec, a, b):
@@ -237,18 +343,23 @@ def _blocked_bwd(config, residuals, d_out):
         k_j = jax.lax.dynamic_slice_in_dim(k, j * config.bk, config.bk, 2)  # (B, h, bk, d)
         v_j = jax.lax.dynamic_slice_in_dim(v, j * config.bk, config.bk, 2)
 
-        def query_block(i, carry):
+        def query_block(i, carry, masked):
             d_k, d_v, d_q = carry
 
             def rows(x):  # query block i of a (B, h, tp, ...) array
                 return jax.lax.dynamic_slice_in_dim(x, i * config.bq, config.bq, 2)
 
             q_i, d_out_i, m_i, denom_i, delta_i = map(rows, (q, d_out, m, denom, delta))
-            scores, tile = _tile_scores(config, q_i, k_j, keep, offset, i, j)  # (B, h, bq, bk)
+            scores, tile = _tile_scores(config, q_i, k_j, keep, offset, i, j, masked)
             p = jnp.exp(scores - m_i[..., None]) / denom_i[..., None]  # the forward's weights
-            d_v = d_v + dot("bhts,bhtd->bhsd", p, d_out_i)
             d_p = dot("bhtd,bhsd->bhts", d_out_i, v_j)
-            d_s = p * (d_p - delta_i[..., None]) * scale  # d(raw scores)
+            if hashes is None:
+                d_v = d_v + dot("bhts,bhtd->bhsd", p, d_out_i)
+            else:
+                drop = _dropout_tile(config, hashes, i, j)
+                d_v = d_v + dot("bhts,bhtd->bhsd", p * drop, d_out_i)
+                d_p = d_p * drop
+            d_s = p * (d_p - delta_i[..., None])  # d(scores of the scaled queries)
             if tile is not None:  # a filled score is a constant: no gradient flows through it
                 d_s = jnp.where(tile, d_s, 0.0)
             d_k = d_k + dot("bhts,bhtd->bhsd", d_s, q_i)
@@ -257,8 +368,13 @@ def _blocked_bwd(config, residuals, d_out):
             return d_k, d_v, d_q
 
         init = (jnp.zeros(k_j.shape, jnp.float32), jnp.zeros(v_j.shape, jnp.float32), d_q)
+        first, full = (
+            _first_query_block(config, offset, j),
+            _first_full_query_block(config, offset, j),
+        )
+        carry = jax.lax.fori_loop(first, full, functools.partial(query_block, masked=True), init)
         d_k, d_v, d_q = jax.lax.fori_loop(
-            _first_query_block(config, offset, j), nq, query_block, init
+            full, nq, functools.partial(query_block, masked=False), carry
         )
         return d_q, (d_k, d_v)
 
@@ -268,7 +384,7 @@ def _blocked_bwd(config, residuals, d_out):
     )
     d_k = jnp.moveaxis(d_k, 0, 2).reshape(k.shape)  # (nk, B, h, bk, d) -> (B, h, sp, d)
     d_v = jnp.moveaxis(d_v, 0, 2).reshape(v.shape)
-    return d_q.astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype), None, None
+    return d_q.astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype), None, None, None
 
 
 _blocked.defvjp(_blocked_fwd, _blocked_bwd)

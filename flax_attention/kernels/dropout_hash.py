@@ -20,7 +20,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["keep_mask", "threshold"]
+__all__ = ["keep_mask", "key_bits", "row_hash", "threshold"]
 
 
 def threshold(rate: float) -> int:
@@ -42,12 +42,24 @@ def _mix(state, counter):
     return _fmix32(state ^ (counter * np.uint32(0x9E3779B9)))
 
 
+def row_hash(seed, b: int, h: int, t: int):
+    """The hash state of every ``(batch, head, query)`` row, uint32 ``(b, h, t)``: what a tiled
+    kernel computes once and mixes with each key tile (``key_bits``)."""
+    state = jnp.asarray(seed, jnp.uint32)
+    state = _mix(state, jnp.arange(b, dtype=jnp.uint32)[:, None, None])  # (b, 1, 1)
+    state = _mix(state, jnp.arange(h, dtype=jnp.uint32)[None, :, None])  # (b, h, 1)
+    return _mix(state, jnp.arange(t, dtype=jnp.uint32)[None, None, :])  # (b, h, t)
+
+
+def key_bits(rows, keys):
+    """The hash of rows ``(..., t)`` (``row_hash``) against key indices ``(s,)``: ``(..., t, s)``
+    uint32, compared with ``threshold(rate)`` to keep a weight."""
+    keys = jnp.asarray(keys, jnp.uint32).reshape((1,) * rows.ndim + (-1,))  # (1, ..., s)
+    return _mix(rows[..., None], keys)
+
+
 def keep_mask(seed, shape, rate: float):
     """Boolean ``shape = (b, h, t, s)``: ``True`` where the kernels keep the weight."""
     b, h, t, s = shape
-    state = jnp.asarray(seed, jnp.uint32)
-    state = _mix(state, jnp.arange(b, dtype=jnp.uint32)[:, None, None, None])  # (b, 1, 1, 1)
-    state = _mix(state, jnp.arange(h, dtype=jnp.uint32)[None, :, None, None])  # (b, h, 1, 1)
-    state = _mix(state, jnp.arange(t, dtype=jnp.uint32)[None, None, :, None])  # (b, h, t, 1)
-    bits = _mix(state, jnp.arange(s, dtype=jnp.uint32)[None, None, None, :])  # (b, h, t, s)
+    bits = key_bits(row_hash(seed, b, h, t), jnp.arange(s, dtype=jnp.uint32))  # (b, h, t, s)
     return bits >= np.uint32(threshold(rate))
