@@ -511,8 +511,8 @@ def test_constrain_places_heads_on_auto_axes_and_leaves_explicit_ones_to_the_typ
 
 
 def _scaling_out_block() -> str:
-    """The docs' "scaling out" example: the one Python block (README or ``docs/``) that calls
-    ``fa.shard(``."""
+    """The docs' "scaling out" example (in docs/sharding.md): the one Python block (README or
+    ``docs/``) that calls ``fa.shard(``."""
     blocks = []
     for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
         if path.exists():
