@@ -41,14 +41,6 @@ __all__ = ["from_torch", "from_nnx"]
 
 #: Flax options every ``from_*`` passes to the new layer's constructor.
 _FLAX_OPTIONS = ("rngs", "dtype", "param_dtype", "precision", "implementation")
-_REFERENCE = (
-    "SelfAttention_v1",
-    "SelfAttention_v2",
-    "CausalAttention",
-    "MultiHeadAttentionWrapper",
-    "MultiHeadAttention",
-    "MultiHeadedAttention",
-)
 
 
 def _numpy(tensor) -> np.ndarray:
@@ -237,7 +229,7 @@ def from_torch(module, **options):
     (default ``nnx.Rngs(0)``), ``dtype``, ``param_dtype``, ``precision``, ``implementation``.
     """
     name = type(module).__name__
-    if type(module).__module__.startswith("torch_reference") and name in _REFERENCE:
+    if type(module).__module__.startswith("torch_reference") and name in _REFERENCE_LAYERS:
         return _from_reference(module, dict(options))
     if name == "MultiheadAttention" and hasattr(module, "embed_dim"):
         return _from_torch_nn(module, dict(options))
