@@ -24,7 +24,16 @@ class BuildNative(build_ext):
             print(f"flax_attention: not building the native kernel ({error})")
             self.extensions = []
             return
-        flags = ["-std=c++17", "-O3", "-fopenmp-simd"]
+        from importlib.metadata import version
+
+        # The FFI's API version follows jaxlib: the library records which one it was built
+        # against, and the package loads it only under that jaxlib.
+        flags = [
+            "-std=c++17",
+            "-O3",
+            "-fopenmp-simd",
+            f'-DFLAX_ATTENTION_JAXLIB="{version("jaxlib")}"',
+        ]
         # The vector exp wants the machine's widest vectors: built for the machine it runs on
         # (FLAX_ATTENTION_MARCH=x86-64-v3, say, for a portable build; empty for the default).
         march = os.environ.get("FLAX_ATTENTION_MARCH", "native")

@@ -330,3 +330,14 @@ def test_shard_map_over_heads():
     assert result.returncode == 0, result.stderr[-2000:]
     devices, err = result.stdout.split()
     assert devices == "2" and float(err) == 0.0
+
+
+@pytestmark_native
+def test_the_library_records_the_jaxlib_whose_ffi_it_was_built_for():
+    """The loader compares this with the running jaxlib before registering: a library built
+    for another FFI API version would otherwise break the whole CPU backend."""
+    import ctypes
+    import importlib.metadata
+
+    (library,) = sorted(native._HERE.glob("_attention*.so"))[-1:]
+    assert native._built_with(ctypes.CDLL(str(library))) == importlib.metadata.version("jaxlib")

@@ -30,6 +30,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
+import importlib.metadata
 import os
 import pathlib
 
@@ -66,6 +67,13 @@ def _load() -> str | None:
         openblas = ctypes.CDLL(str(blas), mode=ctypes.RTLD_GLOBAL)  # the kernel links it by name
         openblas.scipy_openblas_set_num_threads(1)  # the kernel's tasks are the parallelism
         library = ctypes.CDLL(str(built[-1]))
+        built_with = _built_with(library)
+        running = importlib.metadata.version("jaxlib")
+        if built_with != running:  # another FFI API version would break the CPU backend
+            return (
+                f"the native kernel was built against jaxlib {built_with}, this is jaxlib "
+                f"{running}: reinstall the package (or `python setup.py build_ext --inplace`)"
+            )
         for name, symbol in (
             (_FORWARD, "FlaxAttentionForward"),
             (_BACKWARD, "FlaxAttentionBackward"),
@@ -75,6 +83,16 @@ def _load() -> str | None:
     except (OSError, AttributeError) as error:
         return f"the native kernel {built[-1].name} could not be loaded: {error}"
     return None
+
+
+def _built_with(library) -> str:
+    """The jaxlib version the library's FFI headers came from (``unknown`` if it has no record)."""
+    try:
+        function = library.FlaxAttentionJaxlibVersion
+    except AttributeError:
+        return "unknown"
+    function.restype = ctypes.c_char_p
+    return function().decode()
 
 
 def available() -> bool:

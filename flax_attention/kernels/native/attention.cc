@@ -382,6 +382,14 @@ ffi::Error Backward(ffi::ThreadPool pool, F32x4 q, F32x4 k,
 
 }  // namespace
 
+// The jaxlib whose FFI headers this library was built against (setup.py defines it): an XLA
+// of another API version refuses the handlers and with them the whole CPU backend, so the
+// package compares it with the running jaxlib before it registers anything.
+#ifndef FLAX_ATTENTION_JAXLIB
+#define FLAX_ATTENTION_JAXLIB "unknown"
+#endif
+extern "C" const char* FlaxAttentionJaxlibVersion() { return FLAX_ATTENTION_JAXLIB; }
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FlaxAttentionForward, Forward,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
