@@ -1,7 +1,11 @@
-"""PyTorch reference: the attention layers of the documents in ``shared/seeds``, as written there.
+"""PyTorch reference: the attention layers of the source documents, as written there.
 
-Every class and function mirrors a document (named in its docstring); the only changes are the
-input checks that ``shared/API.md`` asks for (listed under "Deviations" in the README).
+The documents walk through chapter 3 ("Coding attention mechanisms") of Sebastian Raschka's
+"Build a Large Language Model (From Scratch)"
+(https://github.com/rasbt/LLMs-from-scratch/tree/main/ch03) and an Annotated Transformer style
+``MultiHeadedAttention`` (https://nlp.seas.harvard.edu/annotated-transformer/). Every class and
+function mirrors a document (named in its docstring); the only changes are clear errors for bad
+input (listed in ``docs/deviations.md``).
 """
 
 from torch_reference.annotated import MultiHeadedAttention, attention, clones

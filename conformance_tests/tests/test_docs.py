@@ -160,3 +160,18 @@ def test_docs_code_block_runs(block):
     """Each block runs as written; the blocks assert their own results."""
     assert "assert " in block, "a block that is run must check what it shows"
     exec(compile(block, "docs code block", "exec"), {})
+
+
+def test_no_code_points_at_private_notes():
+    """Docstrings and comments name the documents by title, never the team's private notes."""
+    packages = ("flax_attention", "torch_reference", "conformance_tests", "benchmarks", "examples")
+    this = pathlib.Path(__file__).resolve()
+    found = [
+        f"{path.relative_to(ROOT)}: {word}"
+        for package in packages
+        for path in sorted((ROOT / package).rglob("*.py"))
+        if path.resolve() != this
+        for word in ("shared/API", "shared/seeds", "shared/STYLE")
+        if word in path.read_text()
+    ]
+    assert not found, found
