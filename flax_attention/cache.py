@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from flax_attention._checks import check_positive_int
-from flax_attention.axes import CACHE_HEADS, ONE_HEAD, expand_axes
+from flax_attention.axes import CACHE_HEADS, ONE_HEAD, expand_axes, place_like_parameters
 
 __all__ = ["Decoder", "append", "generate", "new_cache", "poison_unless"]
 
@@ -94,6 +94,24 @@ def new_cache(
         "cached_value": cache(jnp.zeros(shape, dtype)),
         "cache_index": nnx.Cache(jnp.array(0, jnp.int32)),
     }
+
+
+def install_cache(layer, batch_size, max_length, dtype, *, heads: int, head_dim: int) -> None:
+    """``new_cache`` for a causal layer (``context_length``, ``W_query``, the three declared cache
+    variables): placed on the layer's mesh if its parameters are sharded, then set on it.
+    ``dtype`` defaults to the layer's computation dtype."""
+    cache = new_cache(
+        batch_size,
+        max_length,
+        context_length=layer.context_length,
+        heads=heads,
+        head_dim=head_dim,
+        dtype=dtype or layer.W_query.dtype or layer.W_query.param_dtype,
+    )
+    place_like_parameters(layer, cache)
+    layer.cached_key = cache["cached_key"]
+    layer.cached_value = cache["cached_value"]
+    layer.cache_index = cache["cache_index"]
 
 
 def append(cached_key, cached_value, cache_index, keys, values):

@@ -20,7 +20,6 @@ from flax_attention.axes import (
     TO_HEADS,
     constrain,
     out_sharding_like,
-    place_like_parameters,
 )
 from flax_attention.core import (
     BlockSizes,
@@ -191,18 +190,9 @@ class CausalAttention(nnx.Module):
         """An empty decode cache for ``batch_size`` sequences of ``max_length`` tokens
         (``flax_attention.cache.new_cache``; ``dtype`` defaults to the computation dtype); on a
         sharded layer it is placed on the parameters' mesh at once."""
-        cache = decode_cache.new_cache(
-            batch_size,
-            max_length,
-            context_length=self.context_length,
-            heads=1,
-            head_dim=self.d_out,
-            dtype=dtype or self.W_query.dtype or self.W_query.param_dtype,
+        decode_cache.install_cache(
+            self, batch_size, max_length, dtype, heads=1, head_dim=self.d_out
         )
-        place_like_parameters(self, cache)
-        self.cached_key = cache["cached_key"]
-        self.cached_value = cache["cached_value"]
-        self.cache_index = cache["cache_index"]
 
     def __call__(self, x: jax.Array, *, decode: bool = False) -> jax.Array:
         check_causal_input(x, self.d_in, self.context_length)

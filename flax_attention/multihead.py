@@ -20,7 +20,6 @@ from flax_attention.axes import (
     TO_HEADS,
     constrain,
     out_sharding_like,
-    place_like_parameters,
 )
 from flax_attention.causal import (
     causal_attention,
@@ -113,18 +112,9 @@ class MultiHeadAttention(nnx.Module):
         """An empty decode cache for ``batch_size`` sequences of ``max_length`` tokens
         (``flax_attention.cache.new_cache``; ``dtype`` defaults to the computation dtype); on a
         sharded layer it is placed on the parameters' mesh at once."""
-        cache = decode_cache.new_cache(
-            batch_size,
-            max_length,
-            context_length=self.context_length,
-            heads=self.num_heads,
-            head_dim=self.head_dim,
-            dtype=dtype or self.W_query.dtype or self.W_query.param_dtype,
+        decode_cache.install_cache(
+            self, batch_size, max_length, dtype, heads=self.num_heads, head_dim=self.head_dim
         )
-        place_like_parameters(self, cache)
-        self.cached_key = cache["cached_key"]
-        self.cached_value = cache["cached_value"]
-        self.cache_index = cache["cache_index"]
 
     def _split_heads(self, x):
         x = x.reshape(*x.shape[:-1], self.num_heads, self.head_dim)  # (..., t, h, d)
