@@ -161,6 +161,7 @@ CASES = [
 
 
 @pytestmark_native
+@pytest.mark.parametrize("block_k", [0, 8], ids=["keys_default", "keys_in_8s"])
 @pytest.mark.parametrize(
     (
         "name",
@@ -180,28 +181,32 @@ CASES = [
     ids=[c[0] for c in CASES],
 )
 def test_native_equals_reference(
-    name, batch, t, s, h, d_k, d_v, is_causal, mask_shape, offset, fill, block_q
+    name, batch, t, s, h, d_k, d_v, is_causal, mask_shape, offset, fill, block_q, block_k
 ):
+    """Forward and gradients equal ``reference``; ``block_k=8`` runs the forward's online softmax
+    over key tiles of 8 (the default tile holds these rows whole)."""
     q, k, v, cotangent, mask = _inputs(batch, t, s, h, d_k, d_v, mask_shape)
     if mask is not None and fill == -np.inf:
         mask[..., 0] = True  # every row keeps a key: no NaN row here (tested below)
     expected = _run(_reference(mask, is_causal, offset, fill), q, k, v, cotangent)
-    actual = _run(_native(mask, is_causal, offset, fill, block_q=block_q), q, k, v, cotangent)
+    kernel = _native(mask, is_causal, offset, fill, block_q=block_q, block_k=block_k)
+    actual = _run(kernel, q, k, v, cotangent)
     assert np.isfinite(np.asarray(expected["out"])).all(), f"{name}: reference must be finite"
     _assert_close(expected, actual, name)
 
 
 @pytestmark_native
+@pytest.mark.parametrize("block_k", [0, 2], ids=["keys_default", "keys_in_2s"])
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("fill", [-np.inf, -1e10], ids=["inf", "1e10"])
-def test_fully_masked_row(is_causal, fill):
+def test_fully_masked_row(is_causal, fill, block_k):
     """Row 2 masked entirely: ``-1e10`` gives the uniform row over the causally visible keys
     (equal to ``reference``, gradients too); ``-inf`` gives NaN in that row only, as softmax."""
     q, k, v, cotangent, _ = _inputs((2,), 7, 7, 2, 16, 16, None)
     mask = np.ones((1, 1, 7, 7), bool)
     mask[..., 2, :] = False
     expected = _run(_reference(mask, is_causal, 0, fill), q, k, v, cotangent)
-    actual = _run(_native(mask, is_causal, 0, fill, block_q=4), q, k, v, cotangent)
+    actual = _run(_native(mask, is_causal, 0, fill, block_q=4, block_k=block_k), q, k, v, cotangent)
     if fill == -np.inf:
         out = np.asarray(actual["out"])
         assert np.isnan(out[:, 2]).all() and np.isfinite(np.delete(out, 2, axis=1)).all()
@@ -250,8 +255,9 @@ def test_vmap_equals_batch():
 
 
 @pytestmark_native
+@pytest.mark.parametrize("block_k", [0, 16], ids=["keys_default", "keys_in_16s"])
 @pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
-def test_dropout_equals_reference_with_the_same_mask(is_causal):
+def test_dropout_equals_reference_with_the_same_mask(is_causal, block_k):
     """Dropout inside the tiles equals ``reference`` whose dropout applies
     ``dropout_hash.keep_mask`` (scaled by ``1 / (1 - rate)``), gradients too."""
     rate, seed = 0.3, 1234
@@ -263,7 +269,16 @@ def test_dropout_equals_reference_with_the_same_mask(is_causal):
 
     expected = _run(_reference(mask, is_causal, 0, -1e10, dropout), q, k, v, cotangent)
     actual = _run(
-        _native(mask, is_causal, 0, -1e10, dropout_rate=rate, dropout_seed=seed, block_q=16),
+        _native(
+            mask,
+            is_causal,
+            0,
+            -1e10,
+            dropout_rate=rate,
+            dropout_seed=seed,
+            block_q=16,
+            block_k=block_k,
+        ),
         q,
         k,
         v,

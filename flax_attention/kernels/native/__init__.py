@@ -115,6 +115,7 @@ def native_attention(
     dropout_rate: float = 0.0,
     dropout_seed=None,
     block_q: int = 0,
+    block_k: int = 0,
 ):
     """Flash-style attention in C++: ``(..., t, h, d_k), (..., s, h, d_k), (..., s, h, d_v)``
     -> ``(..., t, h, d_v)``, with what ``attention_mask`` hides (``None``: nothing); equal to
@@ -158,6 +159,7 @@ def native_attention(
         drop_threshold=dropout_hash.threshold(dropout_rate),
         drop_scale=1.0 / (1.0 - dropout_rate),
         block_q=int(block_q),
+        block_k=int(block_k),
     )
     if keep is None:
         keep = jnp.ones((1, 1, 1, 1), bool)  # not read by the kernel
@@ -177,6 +179,7 @@ class _Config:
     drop_threshold: int
     drop_scale: float
     block_q: int
+    block_k: int
 
     def attributes(self) -> dict:
         return dict(
@@ -186,6 +189,7 @@ class _Config:
             drop_threshold=np.uint32(self.drop_threshold),
             drop_scale=np.float32(self.drop_scale),
             block_q=np.int64(self.block_q),
+            block_k=np.int64(self.block_k),
         )
 
 

@@ -7,16 +7,19 @@
 // in place with strides (row stride h * d): nothing is transposed. The caller's keep-mask is
 // (b|1, h|1, t|1, s|1) booleans, a size-1 axis broadcast (stride 0).
 //
-// Forward, per (batch, head, block of bq queries), one task of XLA's thread pool:
-//   S = Q K^T / sqrt(dk)            one sgemm over the keys the causal mask leaves (kend)
-//   per row: fill the masked scores, row max m, p = exp(s - m), l = sum p  (two fused passes)
-//   O = (P * dropout keep / (1 - rate)) V / l     one sgemm, written to the output rows
+// Forward, per (batch, head, block of bq queries), one task of XLA's thread pool, over the keys
+// the causal mask leaves (kend) in tiles of bk keys:
+//   S = Q K^T / sqrt(dk)            one sgemm per tile
+//   per row: fill the masked scores, row max m, p = exp(s - m), l = sum p  (two fused passes);
+//   over several tiles an online softmax: the running m, l and output rescaled as m grows
+//   O = (P * dropout keep / (1 - rate)) V / l     one sgemm per tile, accumulated
 // The rows' m and l are returned apart (not as m + log l): with document 001's -1e10 fill a
 // fully masked row has m = -1e10, where m + log l would round log l away.
 //
-// Backward, per (batch, head), one task; query blocks in order, dK and dV accumulated in the
-// task's own output rows (no two tasks write the same rows):
-//   recompute P = exp(S - m) / l,  dP = dO V^T,  delta = rowsum(dO * O)
+// Backward, per (batch, head), one task; query blocks in order, each over its key tiles, dK and
+// dV accumulated in the task's own output rows (no two tasks write the same rows):
+//   recompute P = exp(S - m) / l (final per tile, from the forward's m and l),  dP = dO V^T,
+//   delta = rowsum(dO * O)
 //   dV += (P * D)^T dO,  dS = P * (dP * D - delta) (0 where the caller's mask filled the score),
 //   dQ = dS K / sqrt(dk),  dK += dS^T Q / sqrt(dk)
 // where D is the dropout keep-mask times 1 / (1 - rate), regenerated from the same hash.
@@ -90,7 +93,7 @@ inline float Exp(float x) {
 // ---- the problem, as the handlers decode it ------------------------------------------------
 
 struct Attention {
-  int64_t batch, t, s, heads, dk, dv, bq;
+  int64_t batch, t, s, heads, dk, dv, bq, bk;  // bq query rows, bk keys per tile
   const float *q, *k, *v;
   const bool* mask;        // nullptr without a mask
   int64_t mask_stride[4];  // (b, h, t, s), 0 on a broadcast axis
@@ -119,6 +122,9 @@ struct Attention {
 // Rows of scores are padded to a multiple of kLanes (the padding holds -inf, so its weight is 0):
 // the row loops below run over whole vectors.
 constexpr int64_t kLanes = 16;
+
+// Query rows per tile at most (block_q larger than this is refused).
+constexpr int64_t kMaxRows = 1024;
 
 int64_t Padded(int64_t n) { return (n + kLanes - 1) / kLanes * kLanes; }
 
@@ -159,12 +165,13 @@ float ExpRow(float* row, int64_t ld, float m, float scale) {
   return sum;
 }
 
-// keep[j] <- the dropout factor of key j: 1 / (1 - rate) where the hash keeps it, else 0.
-void DropoutRow(const Attention& a, uint32_t row_hash, float* keep, int64_t ld) {
+// keep[j] <- the dropout factor of key j0 + j: 1 / (1 - rate) where the hash keeps it, else 0.
+void DropoutRow(const Attention& a, uint32_t row_hash, int64_t j0, float* keep, int64_t ld) {
   const uint32_t threshold = a.drop_threshold;
   const float kept = a.drop_scale;
 #pragma omp simd
-  for (int64_t j = 0; j < ld; ++j) keep[j] = Mix(row_hash, uint32_t(j)) >= threshold ? kept : 0.0f;
+  for (int64_t j = 0; j < ld; ++j)
+    keep[j] = Mix(row_hash, uint32_t(j0 + j)) >= threshold ? kept : 0.0f;
 }
 
 // ---- a parallel for over XLA's intra-op thread pool; the calling thread works too ----------
@@ -207,37 +214,56 @@ void ForwardBlock(const Attention& a, int64_t b, int64_t hd, int64_t i0, float* 
                   float* L) {
   const int64_t rows = std::min(a.bq, a.t - i0);
   const int64_t kend = a.Visible(i0 + rows - 1);  // the block's last row sees the most keys
-  const int64_t ld = Padded(kend);
+  const int64_t ldo = a.heads * a.dv;
   float* O = out + ((b * a.t + i0) * a.heads + hd) * a.dv;
   float* m_out = M + (b * a.heads + hd) * a.t + i0;
   float* l_out = L + (b * a.heads + hd) * a.t + i0;
   if (kend == 0) {  // every key hidden: softmax of an all -inf row, 0 / 0
     for (int64_t r = 0; r < rows; ++r) {
-      std::fill(O + r * a.heads * a.dv, O + r * a.heads * a.dv + a.dv, std::nanf(""));
+      std::fill(O + r * ldo, O + r * ldo + a.dv, std::nanf(""));
       m_out[r] = 0.0f, l_out[r] = 0.0f;
     }
     return;
   }
-  float* S = Scratch((rows + 1) * ld);
+  // Keys in chunks of bk: one chunk (the whole row) while the block's rows fit, else an online
+  // softmax over the chunks, the rows' output rescaled by exp(m_old - m_new) as the max grows.
+  const int64_t bk = std::min(a.bk, kend), ld = Padded(bk);
+  const bool online = bk < kend;
+  float* S = Scratch(rows * ld + ld + (online ? rows * a.dv : 0));
   float* drop = S + rows * ld;
-  Scores(a, b, hd, i0, rows, kend, S, ld);
-  for (int64_t r = 0; r < rows; ++r) {
-    float* row = S + r * ld;
-    MaskRow(a, a.mask ? a.MaskRow(b, hd, i0 + r) : nullptr, row, a.Visible(i0 + r), ld);
-    float m = RowMax(row, ld);
-    if (m == kNegInf) m = 0.0f;  // nothing visible: every p is 0
-    l_out[r] = ExpRow(row, ld, m, 1.0f);
-    m_out[r] = m;
-    if (a.Dropout()) {
-      DropoutRow(a, a.RowHash(b, hd, i0 + r), drop, ld);
-      for (int64_t j = 0; j < ld; ++j) row[j] *= drop[j];
+  float* acc = online ? drop + ld : O;  // the rows' running P V, (rows x dv)
+  const int64_t ldacc = online ? a.dv : ldo;
+  for (int64_t r = 0; r < rows; ++r) m_out[r] = kNegInf, l_out[r] = 0.0f;
+  for (int64_t j0 = 0; j0 < kend; j0 += bk) {
+    const int64_t n = std::min(bk, kend - j0), ldn = Padded(n);
+    scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, n, a.dk, a.scale,
+                      a.Q(b, i0, hd), a.heads * a.dk, a.K(b, j0, hd), a.heads * a.dk, 0.0f, S,
+                      ldn);
+    for (int64_t r = 0; r < rows; ++r) {
+      float* row = S + r * ldn;
+      const bool* keep = a.mask ? a.MaskRow(b, hd, i0 + r) + j0 * a.mask_stride[3] : nullptr;
+      MaskRow(a, keep, row, std::clamp<int64_t>(a.Visible(i0 + r) - j0, 0, n), ldn);
+      const float m_old = m_out[r];
+      const float m_new = std::max(m_old, RowMax(row, ldn));
+      const float m = m_new == kNegInf ? 0.0f : m_new;  // nothing visible yet: every p is 0
+      const float alpha = Exp(m_old - m);               // exp(-inf) = 0 on the first chunk
+      l_out[r] = l_out[r] * alpha + ExpRow(row, ldn, m, 1.0f);
+      m_out[r] = m_new;
+      if (j0 > 0)
+        for (int64_t c = 0; c < a.dv; ++c) acc[r * ldacc + c] *= alpha;
+      if (a.Dropout()) {
+        DropoutRow(a, a.RowHash(b, hd, i0 + r), j0, drop, ldn);
+        for (int64_t j = 0; j < ldn; ++j) row[j] *= drop[j];
+      }
     }
+    scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, a.dv, n, 1.0f, S, ldn,
+                      a.V(b, j0, hd), a.heads * a.dv, j0 > 0 ? 1.0f : 0.0f, acc, ldacc);
   }
-  scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, a.dv, kend, 1.0f, S, ld,
-                    a.V(b, 0, hd), a.heads * a.dv, 0.0f, O, a.heads * a.dv);
   for (int64_t r = 0; r < rows; ++r) {
+    if (m_out[r] == kNegInf) m_out[r] = 0.0f;  // the backward's exp(s - m) is 0 all the same
     const float l = l_out[r];
-    for (int64_t c = 0; c < a.dv; ++c) O[r * a.heads * a.dv + c] /= l;  // 0 / 0 = NaN, as softmax
+    for (int64_t c = 0; c < a.dv; ++c)
+      O[r * ldo + c] = acc[r * ldacc + c] / l;  // 0 / 0 = NaN, as softmax
   }
 }
 
@@ -265,45 +291,54 @@ void BackwardHead(const Attention& a, int64_t b, int64_t hd, const float* out, c
         std::fill(dQ + r * ldk, dQ + r * ldk + a.dk, std::nanf(""));
       continue;
     }
-    const int64_t ld = Padded(kend);
+    float delta[kMaxRows];  // rowsum(dO * O) per row
+    for (int64_t r = 0; r < rows; ++r) {
+      float sum = 0.0f;
+      for (int64_t c = 0; c < a.dv; ++c) sum += dO[r * ldv + c] * O[r * ldv + c];
+      delta[r] = sum;
+    }
+    // Keys in chunks of bk: the forward's m and l make each chunk's weights final on their own.
+    const int64_t bk = std::min(a.bk, kend), ld = Padded(bk);
     float* P = Scratch((2 * rows + 1) * ld);
     float* dP = P + rows * ld;
     float* drop = dP + rows * ld;
-    Scores(a, b, hd, i0, rows, kend, P, ld);
-    scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, kend, a.dv, 1.0f, dO, ldv,
-                      a.V(b, 0, hd), ldv, 0.0f, dP, ld);
-    for (int64_t r = 0; r < rows; ++r) {
-      float* p = P + r * ld;
-      float* dp = dP + r * ld;
-      const int64_t n = a.Visible(i0 + r);
-      const bool* keep = a.mask ? a.MaskRow(b, hd, i0 + r) : nullptr;
-      MaskRow(a, keep, p, n, ld);
-      ExpRow(p, ld, m[r], 1.0f / l[r]);  // the forward's weights
-      std::fill(dp + kend, dp + ld, 0.0f);
-      float delta = 0.0f;  // rowsum(dO * O)
-      for (int64_t c = 0; c < a.dv; ++c) delta += dO[r * ldv + c] * O[r * ldv + c];
-      if (a.Dropout()) {
-        DropoutRow(a, a.RowHash(b, hd, i0 + r), drop, ld);
-        for (int64_t j = 0; j < ld; ++j) {
-          dp[j] = p[j] * (dp[j] * drop[j] - delta);  // dS
-          p[j] *= drop[j];                           // P * D, for dV
+    for (int64_t j0 = 0; j0 < kend; j0 += bk) {
+      const int64_t n = std::min(bk, kend - j0), ldn = Padded(n);
+      scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, n, a.dk, a.scale,
+                        a.Q(b, i0, hd), ldk, a.K(b, j0, hd), ldk, 0.0f, P, ldn);
+      scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, n, a.dv, 1.0f, dO, ldv,
+                        a.V(b, j0, hd), ldv, 0.0f, dP, ldn);
+      for (int64_t r = 0; r < rows; ++r) {
+        float* p = P + r * ldn;
+        float* dp = dP + r * ldn;
+        const int64_t visible = std::clamp<int64_t>(a.Visible(i0 + r) - j0, 0, n);
+        const bool* keep = a.mask ? a.MaskRow(b, hd, i0 + r) + j0 * a.mask_stride[3] : nullptr;
+        MaskRow(a, keep, p, visible, ldn);
+        ExpRow(p, ldn, m[r], 1.0f / l[r]);  // the forward's weights
+        std::fill(dp + n, dp + ldn, 0.0f);
+        if (a.Dropout()) {
+          DropoutRow(a, a.RowHash(b, hd, i0 + r), j0, drop, ldn);
+          for (int64_t j = 0; j < ldn; ++j) {
+            dp[j] = p[j] * (dp[j] * drop[j] - delta[r]);  // dS
+            p[j] *= drop[j];                              // P * D, for dV
+          }
+        } else {
+          for (int64_t j = 0; j < ldn; ++j) dp[j] = p[j] * (dp[j] - delta[r]);  // dS
         }
-      } else {
-        for (int64_t j = 0; j < ld; ++j) dp[j] = p[j] * (dp[j] - delta);  // dS
+        if (keep) {  // a filled score is a constant: no gradient flows through it
+          const int64_t step = a.mask_stride[3];
+          for (int64_t j = 0; j < visible; ++j)
+            if (!keep[j * step]) dp[j] = 0.0f;
+        }
       }
-      if (keep) {  // a filled score is a constant: no gradient flows through it
-        const int64_t step = a.mask_stride[3];
-        for (int64_t j = 0; j < n; ++j)
-          if (!keep[j * step]) dp[j] = 0.0f;
-      }
+      // dV += (P * D)^T dO;  dQ (+)= dS K * scale;  dK += dS^T Q * scale
+      scipy_cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, n, a.dv, rows, 1.0f, P, ldn,
+                        dO, ldv, 1.0f, dV + j0 * ldv, ldv);
+      scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, a.dk, n, a.scale, dP,
+                        ldn, a.K(b, j0, hd), ldk, j0 > 0 ? 1.0f : 0.0f, dQ, ldk);
+      scipy_cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, n, a.dk, rows, a.scale, dP,
+                        ldn, a.Q(b, i0, hd), ldk, 1.0f, dK + j0 * ldk, ldk);
     }
-    // dV += (P * D)^T dO;  dQ = dS K * scale;  dK += dS^T Q * scale
-    scipy_cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, kend, a.dv, rows, 1.0f, P, ld,
-                      dO, ldv, 1.0f, dV, ldv);
-    scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, a.dk, kend, a.scale, dP,
-                      ld, a.K(b, 0, hd), ldk, 0.0f, dQ, ldk);
-    scipy_cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, kend, a.dk, rows, a.scale, dP,
-                      ld, a.Q(b, i0, hd), ldk, 1.0f, dK, ldk);
   }
 }
 
@@ -313,7 +348,7 @@ ffi::Error Decode(Attention& a, F32x4 q, F32x4 k,
                   F32x4 v, Mask mask,
                   Offset offset, Seed seed, bool is_causal,
                   bool has_mask, float fill_value, uint32_t drop_threshold, float drop_scale,
-                  int64_t block_q) {
+                  int64_t block_q, int64_t block_k) {
   auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), md = mask.dimensions();
   a.batch = qd[0], a.t = qd[1], a.heads = qd[2], a.dk = qd[3], a.s = kd[1], a.dv = vd[3];
   if (kd[0] != a.batch || vd[0] != a.batch || kd[2] != a.heads || vd[2] != a.heads ||
@@ -332,9 +367,13 @@ ffi::Error Decode(Attention& a, F32x4 q, F32x4 k,
   a.causal = is_causal, a.fill = fill_value, a.offset = *offset.typed_data();
   a.scale = 1.0f / std::sqrt(float(a.dk));
   a.seed = *seed.typed_data(), a.drop_threshold = drop_threshold, a.drop_scale = drop_scale;
-  // Query block: the block's scores (bq x s floats) within about 512 KiB, at least 32 rows
-  // (sgemm runs far under its peak on fewer; measured at t4096: 16 rows 1.3x the time of 32).
-  a.bq = block_q > 0 ? block_q : std::clamp<int64_t>(131072 / std::max<int64_t>(a.s, 1), 32, 128);
+  // Tiles of 64 query rows by 512 keys (128 KiB of scores): measured on a 2-core AMD EPYC
+  // against 32/4096 (a whole row per tile, the first version), 128/256 and others, GPT-2 small
+  // heads; fewer rows waste less of the causal diagonal, more rows make sgemm faster.
+  a.bq = block_q > 0 ? block_q : 64;
+  a.bk = block_k > 0 ? block_k : 512;
+  if (a.bq > kMaxRows)
+    return ffi::Error::InvalidArgument("native attention: block_q must be at most 1024");
   return ffi::Error::Success();
 }
 
@@ -343,10 +382,11 @@ ffi::Error Forward(ffi::ThreadPool pool, F32x4 q, F32x4 k,
                    Offset offset, Seed seed,
                    ffi::ResultBuffer<ffi::F32, 4> out, ffi::ResultBuffer<ffi::F32, 3> m,
                    ffi::ResultBuffer<ffi::F32, 3> l, bool is_causal, bool has_mask,
-                   float fill_value, uint32_t drop_threshold, float drop_scale, int64_t block_q) {
+                   float fill_value, uint32_t drop_threshold, float drop_scale, int64_t block_q,
+                   int64_t block_k) {
   Attention a;
   if (auto e = Decode(a, q, k, v, mask, offset, seed, is_causal, has_mask, fill_value,
-                      drop_threshold, drop_scale, block_q);
+                      drop_threshold, drop_scale, block_q, block_k);
       e.failure())
     return e;
   const int64_t blocks = (a.t + a.bq - 1) / a.bq;
@@ -366,10 +406,10 @@ ffi::Error Backward(ffi::ThreadPool pool, F32x4 q, F32x4 k,
                     ffi::ResultBuffer<ffi::F32, 4> dq, ffi::ResultBuffer<ffi::F32, 4> dk,
                     ffi::ResultBuffer<ffi::F32, 4> dv, bool is_causal, bool has_mask,
                     float fill_value, uint32_t drop_threshold, float drop_scale,
-                    int64_t block_q) {
+                    int64_t block_q, int64_t block_k) {
   Attention a;
   if (auto e = Decode(a, q, k, v, mask, offset, seed, is_causal, has_mask, fill_value,
-                      drop_threshold, drop_scale, block_q);
+                      drop_threshold, drop_scale, block_q, block_k);
       e.failure())
     return e;
   ParallelFor(pool, a.batch * a.heads, [&](int64_t bh) {
@@ -407,7 +447,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FlaxAttentionForward, Forward,
                                   .Attr<float>("fill_value")
                                   .Attr<uint32_t>("drop_threshold")
                                   .Attr<float>("drop_scale")
-                                  .Attr<int64_t>("block_q"));
+                                  .Attr<int64_t>("block_q")
+                                  .Attr<int64_t>("block_k"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FlaxAttentionBackward, Backward,
                               ffi::Ffi::Bind()
@@ -430,4 +471,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FlaxAttentionBackward, Backward,
                                   .Attr<float>("fill_value")
                                   .Attr<uint32_t>("drop_threshold")
                                   .Attr<float>("drop_scale")
-                                  .Attr<int64_t>("block_q"));
+                                  .Attr<int64_t>("block_q")
+                                  .Attr<int64_t>("block_k"));
