@@ -2,7 +2,10 @@
 
 The machine is shared and noisy, so the callables compared in one ratio are timed round-robin
 (call 1 of each, then call 2 of each, ...): a burst of load from elsewhere hits all of them, and
-the ratio of medians stays meaningful where absolute times drift.
+the ratio of medians stays meaningful where absolute times drift. Each round starts one callable
+further on: torch's OpenMP threads spin for a few milliseconds after its call returns, which
+slows whatever runs next (measured: about 3 ms on a 12 ms native call at b8 t256), so no one
+callable always comes right after torch.
 """
 
 from __future__ import annotations
@@ -47,15 +50,18 @@ def time_calls(fn: Callable[[], object], repeats: int) -> Timing:
 
 
 def interleaved(fns: dict[str, Callable[[], object]], repeats: int, progress=None):
-    """``{name: Timing}`` from ``repeats`` rounds, each calling every ``fn`` once in turn.
+    """``{name: Timing}`` from ``repeats`` rounds, each calling every ``fn`` once in turn,
+    round ``i`` starting at the ``i``-th (modulo the count).
 
     ``progress`` (``conformance_tests.cli.progress_bar``'s bar, or ``None``) is advanced once per
     call.
     """
     samples: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            samples[name].append(_once(fn))
+    names = list(fns)
+    for round_ in range(repeats):
+        start = round_ % len(names)
+        for name in names[start:] + names[:start]:
+            samples[name].append(_once(fns[name]))
             if progress is not None:
                 progress.update(1)
     return {name: Timing.of(s) for name, s in samples.items()}
