@@ -28,6 +28,9 @@ from jax.sharding import PartitionSpec as P
 
 import flax_attention as fa
 from flax_attention.axes import HEADS, constrain
+from flax_attention.core import select_implementation
+from flax_attention.kernels import dropout_hash, native
+from flax_attention.masking import AttentionMask
 
 if jax.device_count() < 8:  # test_sharding.py runs this file with 8 devices
     pytest.skip(
@@ -72,6 +75,14 @@ LAYERS = {
     "MultiHeadAttention[xla]": (
         lambda: fa.MultiHeadAttention(
             6, 16, T, 0.0, num_heads=8, implementation="xla", rngs=nnx.Rngs(0)
+        ),
+        1,
+        6,
+    ),
+    # The C++ kernel (an FFI custom call): each device runs it on its batch rows and heads.
+    "MultiHeadAttention[native]": (
+        lambda: fa.MultiHeadAttention(
+            6, 16, T, 0.0, num_heads=8, implementation="native", rngs=nnx.Rngs(0)
         ),
         1,
         6,
@@ -154,7 +165,8 @@ def forward_and_grads(module, inputs, cotangent):
 
     def run(params, xs, extra):
         def loss(params, xs):
-            out = nnx.merge(graphdef, params, rest)(*xs, *extra)
+            # copy: a layer in train mode counts its dropout draws in this trace
+            out = nnx.merge(graphdef, params, rest, copy=True)(*xs, *extra)
             return (out * cotangent).sum(), out
 
         (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, xs)
@@ -168,6 +180,38 @@ def forward_and_grads(module, inputs, cotangent):
     for path, value in nnx.to_flat_state(g_params):
         flat["grad " + ".".join(str(p) for p in path)] = value[...]
     return flat, compiled.as_text()
+
+
+def native_calls(hlo: str) -> list[tuple[str, list[tuple[int, ...]]]]:
+    """Every native kernel call of a compiled program's text: its target (forward or backward)
+    and its operands' shapes (from the custom call's ``operand_layout_constraints``)."""
+    calls = []
+    for target, operands in re.findall(
+        r'custom_call_target="flax_attention_native_(\w+)", '
+        r"operand_layout_constraints=\{(.*?)\}, api_version",
+        hlo,
+    ):
+        shapes = re.findall(r"\b[a-z]+\d*\[([\d,]*)\]", operands)
+        calls.append((target, [tuple(int(n) for n in shape.split(",") if n) for shape in shapes]))
+    return calls
+
+
+def assert_native_runs_per_shard(hlo: str, mesh_shape, qkv_shapes, backward=True) -> None:
+    """The compiled program calls the native kernel on one device's share only: queries, keys
+    and values (global ``qkv_shapes``, ``(b, t|s, h, d)``) as ``(b / data, t|s, h / model, d)``
+    and the hash's batch and head numbers as ``(b / data,)``, ``(h / model,)``, in the forward
+    and (``backward``) the backward, and nothing is all-gathered (every device would then
+    compute every head)."""
+    data, model = mesh_shape
+    local = [(b // data, n, h // model, d) for b, n, h, d in qkv_shapes]
+    (b, _, h, _) = qkv_shapes[0]
+    calls = native_calls(hlo)
+    targets = sorted({target for target, _ in calls})
+    assert targets == (["backward", "forward"] if backward else ["forward"]), targets
+    for target, shapes in calls:
+        assert shapes[:3] == local, f"{target}: q, k, v {shapes[:3]}, want {local}"
+        assert shapes[6:8] == [(b // data,), (h // model,)], f"{target}: {shapes[6:8]}"
+    assert hlo.count("all-gather(") == 0, "the native kernel's operands are all-gathered"
 
 
 def assert_close(reference: dict, actual: dict, what: str) -> float:
@@ -222,6 +266,8 @@ def test_forward_and_gradients_equal_one_device(name, shape, kind):
         assert placed_as(variable[...], mesh, P(*axes)), f"{label}: {variable[...].sharding}"
     if name.split("[")[0] in MULTI_HEAD and shape[1] > 1:
         assert hlo.count("all-gather(") == 0, f"{name} on {_id(shape)} ({kind}) all-gathers"
+    if name.endswith("[native]"):
+        assert_native_runs_per_shard(hlo, shape, [(B, T, 8, 2)] * 3)
 
 
 def _caches(module) -> dict:
@@ -530,3 +576,75 @@ def test_the_docs_scaling_out_example_runs_and_shards_what_it_says():
     assert y.shape == (8, 128, 64) and placed_as(y, mesh, P("data")), y.sharding
     assert y_step.shape == (8, 1, 64)
     assert placed_as(cache, mesh, CACHE_SPEC), cache.sharding
+
+
+#: A multi-head layer big enough (64 x 64 scores per head) that ``implementation=None`` runs
+#: ``native`` on the CPU: 8 heads of 4 features.
+NATIVE_T = 64
+
+
+@pytest.mark.skipif(not native.available(), reason=f"native kernel: {native.why_unavailable()}")
+@pytest.mark.parametrize("kind", AXIS_TYPES)
+@pytest.mark.parametrize("implementation", ["native", None], ids=["native", "default"])
+def test_native_kernel_runs_on_each_devices_heads(implementation, kind):
+    """On 2x4, ``native`` (asked for, or what the default picks here) runs once per device on
+    its 4 batch rows and 2 of the 8 heads, forward and backward (the compiled program's custom
+    calls have those operand shapes, no all-gather), and equals one device, output and every
+    gradient (in train mode with dropout too: the kernel hashes the global batch and head
+    numbers, so each device drops what one device drops)."""
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((B, NATIVE_T, 16)).astype(np.float32)
+    q = np.zeros((B, NATIVE_T, 8, 4), np.float32)
+    assert select_implementation(q, q, dropout=nnx.Dropout(0.5, rngs=nnx.Rngs(0))) == "native"
+    mesh = make_mesh((2, 4), kind=kind)
+    for rate in (0.0, 0.5):
+        module = fa.MultiHeadAttention(
+            16, 32, NATIVE_T, rate, num_heads=8, implementation=implementation, rngs=nnx.Rngs(0)
+        )
+        if rate == 0.0:
+            module.eval()
+        cotangent = rng.standard_normal((B, NATIVE_T, 32)).astype(np.float32)
+        reference, _ = forward_and_grads(nnx.clone(module), [x], cotangent)
+        sharded = fa.shard(nnx.clone(module), mesh)
+        with jax.set_mesh(mesh):
+            actual, hlo = forward_and_grads(sharded, shard_inputs([x], mesh), cotangent)
+        what = f"MultiHeadAttention[{implementation}] rate {rate} on 2x4 ({kind})"
+        assert_close(reference, actual, what)
+        assert_native_runs_per_shard(hlo, (2, 4), [(B, NATIVE_T, 8, 4)] * 3)
+        if rate:  # dropout did something, and the same on both sides
+            module.eval()
+            no_dropout, _ = forward_and_grads(module, [x], cotangent)
+            assert np.abs(reference["out"] - no_dropout["out"]).max() > 1e-2
+
+
+@pytest.mark.skipif(not native.available(), reason=f"native kernel: {native.why_unavailable()}")
+@pytest.mark.parametrize("kind", AXIS_TYPES)
+def test_native_dropout_keep_mask_on_a_mesh_equals_one_device(kind):
+    """The keep-mask itself: with zero queries (uniform weights ``1 / s``) and one-hot values
+    ``v[j] = e_j``, the output is ``keep / ((1 - rate) s)``, so it reads the mask back. Called
+    directly under ``jit`` on 2x4 with q, k, v split over batch and heads, each device's kernel
+    drops exactly what the one-device kernel drops, which is ``dropout_hash.keep_mask``."""
+    b, t, h, rate, seed = 8, 16, 8, 0.3, 1234
+    q = np.zeros((b, t, h, 4), np.float32)
+    v = np.broadcast_to(np.eye(t, dtype=np.float32)[None, :, None, :], (b, t, h, t))
+
+    def attend(q, k, v):
+        out = native.native_attention(
+            q, k, v, AttentionMask(), dropout_rate=rate, dropout_seed=np.uint32(seed)
+        )
+        return out * ((1 - rate) * t)  # (b, t, h, s): the keep-mask, 1 or 0
+
+    one_device = np.asarray(jax.jit(attend)(q, q, v))
+    mesh = make_mesh((2, 4), kind=kind)
+    split = NamedSharding(mesh, P("data", None, "model", None))
+    with jax.set_mesh(mesh):
+        args = [jax.device_put(a, split) for a in (q, q, v)]
+        compiled = jax.jit(attend).lower(*args).compile()
+        sharded = np.asarray(compiled(*args))
+    shapes = [q.shape, q.shape, v.shape]
+    assert_native_runs_per_shard(compiled.as_text(), (2, 4), shapes, backward=False)
+    expected = np.asarray(dropout_hash.keep_mask(seed, (b, h, t, t), rate))  # (b, h, t, s)
+    np.testing.assert_allclose(one_device, expected.transpose(0, 2, 1, 3), atol=1e-6)
+    np.testing.assert_array_equal(np.round(sharded), np.round(one_device))
+    np.testing.assert_allclose(sharded, one_device, atol=1e-6)
+    assert 0.6 < expected.mean() < 0.8  # the mask drops about rate of the weights

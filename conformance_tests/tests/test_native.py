@@ -7,8 +7,10 @@ broadcast form the layers produce, fully masked rows with ``-inf`` (NaN, as soft
 document 001's ``-1e10`` (uniform), query offsets (also traced), ``s != t``, odd and
 tile-crossing lengths, head dims 16 to 256, bfloat16 inputs, ``vmap``, ``shard_map`` over heads,
 and dropout inside the tiles against ``reference`` given the same keep-mask
-(``dropout_hash.keep_mask``). The whole module is skipped, with the reason, where the kernel is
-not built; ``test_switched_off_says_why`` runs in a subprocess with the kernel switched off.
+(``dropout_hash.keep_mask``), also on a slice of the batch and heads told its global numbers
+(what each device runs on a mesh: ``sharded_tests.py``). The whole module is skipped, with the
+reason, where the kernel is not built; ``test_switched_off_says_why`` runs in a subprocess with
+the kernel switched off.
 """
 
 from __future__ import annotations
@@ -289,6 +291,27 @@ def test_dropout_equals_reference_with_the_same_mask(is_causal, block_k):
     assert float(jnp.abs(clean["out"] - actual["out"]).max()) > 0.1  # dropout changed it
 
 
+@pytestmark_native
+def test_dropout_hashes_the_batch_and_head_numbers_it_is_given():
+    """What a device on a mesh runs: the kernel on a slice of the batch and heads, told their
+    global numbers (``batch_index``, ``head_index``), drops the slice of the whole call's
+    keep-mask. Read back through zero queries (uniform weights) and one-hot values: the output
+    is ``keep / ((1 - rate) s)``."""
+    b, t, h, rate, seed = 4, 8, 6, 0.4, 99
+    config = native._Config(
+        False, False, -np.inf, dropout_hash.threshold(rate), 1 / (1 - rate), 0, 0
+    )
+    q = jnp.zeros((2, t, 3, 4), jnp.float32)  # batch rows 2, 3; heads 3, 4, 5
+    v = jnp.broadcast_to(jnp.eye(t, dtype=jnp.float32)[None, :, None, :], (2, t, 3, t))
+    ids = jnp.arange(2, 4, dtype=jnp.uint32), jnp.arange(3, 6, dtype=jnp.uint32)
+    mask, offset, seed_ = jnp.ones((1, 1, 1, 1), bool), jnp.int32(0), jnp.uint32(seed)
+    out = native._native(config, q, q, v, mask, offset, seed_, *ids) * ((1 - rate) * t)
+    whole = np.asarray(dropout_hash.keep_mask(seed, (b, h, t, t), rate))[2:4, 3:6]
+    np.testing.assert_allclose(np.asarray(out), whole.transpose(0, 2, 1, 3), atol=1e-6)
+    local = np.asarray(dropout_hash.keep_mask(seed, (2, 3, t, t), rate))
+    assert (local != whole).any()  # numbering the slice from 0 would drop other weights
+
+
 def test_dropout_hash_keeps_one_minus_rate():
     """The hash's keep-mask keeps ``1 - rate`` of the weights, independently of the position
     (per query row and per key column), and a seed changes it."""
@@ -311,6 +334,12 @@ def test_bad_inputs_name_the_argument():
     y = jnp.ones((1, 4, 1, 16))
     with pytest.raises(ValueError, match=r"dropout_seed \(None\) must be given"):
         native.native_attention(y, y, y, dropout_rate=0.1)
+    with pytest.raises(ValueError, match=r"block_q \(2048\) must be from 0 to 1024"):
+        native.native_attention(y, y, y, block_q=2048)
+    with pytest.raises(ValueError, match=r"block_k \(-1\) must be 0 or more"):
+        native.native_attention(y, y, y, block_k=-1)
+    with pytest.raises(TypeError, match=r"block_k \(8.0\) must be an int"):
+        native.native_attention(y, y, y, block_k=8.0)
 
 
 @pytestmark_native

@@ -19,10 +19,21 @@ The library is built by the package's install (``setup.py``). Where it was not b
 loaded, or ``FLAX_ATTENTION_NATIVE=0`` is set in the environment at import, ``available()`` is
 ``False`` and ``why_unavailable()`` says why.
 
-Under ``vmap`` the kernel runs once per mapped element (``vmap_method="sequential"``). Under
-``jit`` with inputs sharded over heads, XLA gathers the operands of a custom call onto every
-device: run the kernel inside ``shard_map`` over the heads axis instead (each shard's call then
-sees only its heads).
+Under ``vmap`` the kernel runs once per mapped element (``vmap_method="sequential"``).
+
+On a mesh (``jax.set_mesh``) each device runs the kernel on its own batch rows and heads: XLA
+cannot split a custom call and would gather its operands onto every device, so
+``native_attention`` calls it inside ``jax.shard_map`` over the leading (batch) axes and the
+heads (``_split``). Where they go: on ``Explicit`` mesh axes, where the queries' type puts them;
+on ``Auto`` axes (also inside ``jax.sharding.auto_axes``, where the attention core runs its
+kernels on an explicit mesh) the package's layout, ``flax_attention.axes.HEADS`` (the first
+leading axis over ``data``, the heads over ``model``); an axis that does not divide its
+dimension stays whole. Query tokens, keys and features are never split (a head needs all its
+keys); keys, values and the mask follow the queries. The dropout hash reads the global batch and
+head numbers from two operands (``batch_index``, ``head_index``, sliced with the rest), so every
+device drops exactly the weights one device would. Inside the caller's own ``shard_map``
+(manual axes) the kernel runs as it is, on what each shard holds (its dropout then numbers the
+shard's batch rows and heads from 0).
 """
 
 from __future__ import annotations
@@ -31,13 +42,16 @@ import ctypes
 import dataclasses
 import functools
 import importlib.metadata
+import math
 import os
 import pathlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import AxisType, PartitionSpec
 
+from flax_attention.axes import DATA, MODEL
 from flax_attention.kernels import dropout_hash
 from flax_attention.masking import AttentionMask, flatten_mask
 
@@ -132,7 +146,9 @@ def native_attention(
       dropout_rate: dropout on the weights inside the tiles, kept weights scaled by
         ``1 / (1 - rate)``; the keep-mask is ``dropout_hash.keep_mask(dropout_seed, ...)``.
       dropout_seed: uint32 (int or traced scalar), required when ``dropout_rate > 0``.
-      block_q: query rows per tile, ``0`` = about 512 KiB of scores per tile (32 to 128 rows).
+      block_q: query rows per tile, 1 to 1024; ``0`` = 64.
+      block_k: keys per tile, ``0`` = 512; rows longer than one tile go through an online
+        softmax over their key tiles.
     """
     del precision  # always float32 products and sums
     if not available():
@@ -144,14 +160,16 @@ def native_attention(
         raise ValueError(
             f"dropout_seed (None) must be given when dropout_rate ({dropout_rate}) > 0"
         )
+    for name, value, most in (("block_q", block_q, 1024), ("block_k", block_k, None)):
+        if isinstance(value, bool) or not isinstance(value, int | np.integer):
+            raise TypeError(f"{name} ({value!r}) must be an int")
+        if value < 0 or (most is not None and value > most):
+            limit = f"from 0 to {most}" if most else "0 or more"
+            raise ValueError(f"{name} ({value}) must be {limit} (0: the default tile)")
     if attention_mask is None:
         attention_mask = AttentionMask()
-    lead, (t, h, _), s = queries.shape[:-3], queries.shape[-3:], keys.shape[-3]
-    dtype = queries.dtype
-    q, k, v = (x.reshape(-1, *x.shape[-3:]).astype(jnp.float32) for x in (queries, keys, values))
+    lead, h = queries.shape[:-3], queries.shape[-2]
     keep = attention_mask.keep
-    if keep is not None:
-        keep = flatten_mask(keep, lead, h, t, s)  # (B|1, h|1, t|1, s|1)
     config = _Config(
         is_causal=bool(attention_mask.is_causal),
         has_mask=keep is not None,
@@ -162,11 +180,117 @@ def native_attention(
         block_k=int(block_k),
     )
     if keep is None:
-        keep = jnp.ones((1, 1, 1, 1), bool)  # not read by the kernel
+        keep = jnp.ones((1,) * (len(lead) + 3), bool)  # not read by the kernel
+    keep = keep.reshape((1,) * (len(lead) + 3 - keep.ndim) + keep.shape)  # (...|1, h|1, t|1, s|1)
     offset = jnp.asarray(attention_mask.query_offset, jnp.int32)
     seed = jnp.asarray(0 if dropout_seed is None else dropout_seed, jnp.uint32)
-    out = _native(config, q, k, v, keep, offset, seed)  # (B, t, h, d_v) float32
-    return out.astype(dtype).reshape(*lead, *out.shape[1:])
+    # The dropout hash's batch and head numbers: global ones, also where a shard sees a slice.
+    batch_index = jnp.arange(math.prod(lead), dtype=jnp.uint32).reshape(lead)
+    head_index = jnp.arange(h, dtype=jnp.uint32)
+    operands = (queries, keys, values, keep, offset, seed, batch_index, head_index)
+    call = functools.partial(_call, config)
+    split = _split(queries, keep)
+    if split is not None:
+        mesh, in_specs, out_spec = split
+        # check_vma=False: an FFI call's results carry no varying-axes type, so the custom VJP's
+        # cotangents would not match its (varying) inputs' types; the specs say it all.
+        call = jax.shard_map(
+            call, mesh=mesh, in_specs=in_specs, out_specs=out_spec, check_vma=False
+        )
+        operands = tuple(_reshard(x, spec, mesh) for x, spec in zip(operands, in_specs))
+    return call(*operands)
+
+
+def _call(config, queries, keys, values, keep, offset, seed, batch_index, head_index):
+    """One kernel call (on one shard, or on everything): flatten the leading axes, compute in
+    float32, cast back."""
+    lead, (t, h, _), s = queries.shape[:-3], queries.shape[-3:], keys.shape[-3]
+    q, k, v = (x.reshape(-1, *x.shape[-3:]).astype(jnp.float32) for x in (queries, keys, values))
+    keep = flatten_mask(keep, lead, h, t, s)  # (B|1, h|1, t|1, s|1)
+    ids = batch_index.reshape(-1), head_index
+    out = _native(config, q, k, v, keep, offset, seed, *ids)  # (B, t, h, d_v) float32
+    return out.astype(queries.dtype).reshape(*lead, *out.shape[1:])
+
+
+def _split(queries, keep):
+    """How to run the kernel once per device under a mesh (``jax.set_mesh``): ``(mesh,
+    in_specs, out_spec)`` for ``shard_map``, or ``None`` (no mesh, or nothing to split).
+
+    Only the leading (batch) axes and the heads split: a shard needs all its queries' keys and
+    every feature. With ``Explicit`` mesh axes the queries' type says where those go; with
+    ``Auto`` axes (also inside ``jax.sharding.auto_axes``, where the attention core runs its
+    kernels) the package's layout does (``flax_attention.axes.HEADS``: the first leading axis
+    over ``data``, the heads over ``model``), where the axis divides. Keys, values and the mask
+    follow the queries; XLA moves what is elsewhere.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or queries.ndim < 4:
+        return None
+    types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+    spec = tuple(jax.typeof(queries).sharding.spec)  # Explicit axes only
+    spec = spec + (None,) * (queries.ndim - len(spec))
+    lead, heads = list(spec[:-3]), spec[-2]
+    if lead[0] is None and types.get(DATA) == AxisType.Auto:
+        lead[0] = DATA
+    if heads is None and types.get(MODEL) == AxisType.Auto:
+        heads = MODEL
+    used: set = set()
+    lead = [_usable(entry, n, mesh, types, used) for entry, n in zip(lead, queries.shape)]
+    heads = _usable(heads, queries.shape[-2], mesh, types, used)
+    if all(entry is None for entry in (*lead, heads)):
+        return None
+    x_spec = PartitionSpec(*lead, None, heads, None)
+    keep_spec = PartitionSpec(
+        *(entry if n > 1 else None for entry, n in zip(lead, keep.shape[:-3])),
+        heads if keep.shape[-3] > 1 else None,
+        None,
+        None,
+    )
+    scalar = PartitionSpec()
+    in_specs = (
+        x_spec,
+        x_spec,
+        x_spec,
+        keep_spec,
+        scalar,
+        scalar,
+        PartitionSpec(*lead),
+        PartitionSpec(heads),
+    )
+    return mesh, in_specs, x_spec
+
+
+def _usable(entry, size: int, mesh, types: dict, used: set):
+    """``entry`` (mesh axis names of one dimension) if each is an ``Auto`` or ``Explicit`` axis
+    of ``mesh`` not ``used`` by another dimension and together they divide ``size``, else
+    ``None``; the names are added to ``used``."""
+    names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    splits = (AxisType.Auto, AxisType.Explicit)
+    if not names or any(types.get(n) not in splits or n in used for n in names):
+        return None
+    if size % math.prod(dict(mesh.shape)[n] for n in names) != 0:
+        return None
+    used.update(names)
+    return names[0] if len(names) == 1 else names
+
+
+def _reshard(x, spec: PartitionSpec, mesh):
+    """``x`` laid out as ``spec`` says on the mesh's ``Explicit`` axes (``shard_map`` takes the
+    operands' types as they are); ``x`` itself where those already agree, or with ``Auto`` axes
+    (``shard_map`` moves what it needs)."""
+    types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+
+    def explicit(entry):
+        names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        names = tuple(n for n in names if types[n] == AxisType.Explicit)
+        return names[0] if len(names) == 1 else (names or None)
+
+    want = tuple(explicit(entry) for entry in spec) + (None,) * (jnp.ndim(x) - len(spec))
+    have = tuple(jax.typeof(x).sharding.spec)
+    have = have + (None,) * (jnp.ndim(x) - len(have))
+    if want == have:
+        return x
+    return jax.sharding.reshard(x, PartitionSpec(*want))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,7 +317,7 @@ class _Config:
         )
 
 
-def _forward(config, q, k, v, mask, offset, seed):
+def _forward(config, q, k, v, mask, offset, seed, batch_index, head_index):
     """``(out, m, l)``: ``(B, t, h, d_v)`` and the rows' max and denominator ``(B, h, t)``."""
     batch, t, h, _ = q.shape
     f32 = jnp.float32
@@ -203,27 +327,39 @@ def _forward(config, q, k, v, mask, offset, seed):
         jax.ShapeDtypeStruct((batch, h, t), f32),
     )
     call = jax.ffi.ffi_call(_FORWARD, shapes, vmap_method="sequential")
-    return call(q, k, v, mask, offset, seed, **config.attributes())
+    return call(q, k, v, mask, offset, seed, batch_index, head_index, **config.attributes())
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _native(config, q, k, v, mask, offset, seed):
-    return _forward(config, q, k, v, mask, offset, seed)[0]
+def _native(config, q, k, v, mask, offset, seed, batch_index, head_index):
+    return _forward(config, q, k, v, mask, offset, seed, batch_index, head_index)[0]
 
 
-def _native_fwd(config, q, k, v, mask, offset, seed):
-    out, m, denom = _forward(config, q, k, v, mask, offset, seed)
-    return out, (q, k, v, mask, offset, seed, out, m, denom)
+def _native_fwd(config, q, k, v, mask, offset, seed, batch_index, head_index):
+    ids = batch_index, head_index
+    out, m, denom = _forward(config, q, k, v, mask, offset, seed, *ids)
+    return out, (q, k, v, mask, offset, seed, ids, out, m, denom)
 
 
 def _native_bwd(config, residuals, d_out):
-    q, k, v, mask, offset, seed, out, m, denom = residuals
+    q, k, v, mask, offset, seed, ids, out, m, denom = residuals
     shapes = tuple(jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in (q, k, v))
     call = jax.ffi.ffi_call(_BACKWARD, shapes, vmap_method="sequential")
     d_q, d_k, d_v = call(
-        q, k, v, mask, offset, seed, out, m, denom, d_out.astype(jnp.float32), **config.attributes()
+        q,
+        k,
+        v,
+        mask,
+        offset,
+        seed,
+        *ids,
+        out,
+        m,
+        denom,
+        d_out.astype(jnp.float32),
+        **config.attributes(),
     )
-    return d_q, d_k, d_v, None, None, None
+    return d_q, d_k, d_v, None, None, None, None, None
 
 
 _native.defvjp(_native_fwd, _native_bwd)

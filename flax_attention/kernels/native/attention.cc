@@ -49,6 +49,7 @@ using F32x3 = ffi::Buffer<ffi::F32, 3>;
 using Mask = ffi::Buffer<ffi::PRED, 4>;
 using Offset = ffi::Buffer<ffi::S32, 0>;
 using Seed = ffi::Buffer<ffi::U32, 0>;
+using Index = ffi::Buffer<ffi::U32, 1>;  // global batch / head numbers of the local ones
 
 namespace {
 
@@ -102,6 +103,7 @@ struct Attention {
   int32_t offset;
   uint32_t seed, drop_threshold;  // keep a weight where its hash >= drop_threshold
   float drop_scale;               // 1 / (1 - rate)
+  const uint32_t *batch_index, *head_index;  // the hash's (global) batch and head numbers
 
   const float* Q(int64_t b, int64_t i, int64_t hd) const { return q + ((b * t + i) * heads + hd) * dk; }
   const float* K(int64_t b, int64_t j, int64_t hd) const { return k + ((b * s + j) * heads + hd) * dk; }
@@ -115,7 +117,7 @@ struct Attention {
   }
   bool Dropout() const { return drop_threshold != 0; }
   uint32_t RowHash(int64_t b, int64_t hd, int64_t i) const {
-    return Mix(Mix(Mix(seed, uint32_t(b)), uint32_t(hd)), uint32_t(i));
+    return Mix(Mix(Mix(seed, batch_index[b]), head_index[hd]), uint32_t(i));
   }
 };
 
@@ -346,7 +348,7 @@ void BackwardHead(const Attention& a, int64_t b, int64_t hd, const float* out, c
 
 ffi::Error Decode(Attention& a, F32x4 q, F32x4 k,
                   F32x4 v, Mask mask,
-                  Offset offset, Seed seed, bool is_causal,
+                  Offset offset, Seed seed, Index batch_index, Index head_index, bool is_causal,
                   bool has_mask, float fill_value, uint32_t drop_threshold, float drop_scale,
                   int64_t block_q, int64_t block_k) {
   auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), md = mask.dimensions();
@@ -354,6 +356,8 @@ ffi::Error Decode(Attention& a, F32x4 q, F32x4 k,
   if (kd[0] != a.batch || vd[0] != a.batch || kd[2] != a.heads || vd[2] != a.heads ||
       kd[3] != a.dk || vd[1] != a.s)
     return ffi::Error::InvalidArgument("native attention: q, k, v shapes disagree");
+  if (batch_index.dimensions()[0] != a.batch || head_index.dimensions()[0] != a.heads)
+    return ffi::Error::InvalidArgument("native attention: batch_index must hold b numbers, head_index h");
   const int64_t full[4] = {a.batch, a.heads, a.t, a.s};
   int64_t stride = 1;
   for (int axis = 3; axis >= 0; --axis) {
@@ -367,6 +371,7 @@ ffi::Error Decode(Attention& a, F32x4 q, F32x4 k,
   a.causal = is_causal, a.fill = fill_value, a.offset = *offset.typed_data();
   a.scale = 1.0f / std::sqrt(float(a.dk));
   a.seed = *seed.typed_data(), a.drop_threshold = drop_threshold, a.drop_scale = drop_scale;
+  a.batch_index = batch_index.typed_data(), a.head_index = head_index.typed_data();
   // Tiles of 64 query rows by 512 keys (128 KiB of scores): measured on a 2-core AMD EPYC
   // against 32/4096 (a whole row per tile, the first version), 128/256 and others, GPT-2 small
   // heads; fewer rows waste less of the causal diagonal, more rows make sgemm faster.
@@ -379,14 +384,14 @@ ffi::Error Decode(Attention& a, F32x4 q, F32x4 k,
 
 ffi::Error Forward(ffi::ThreadPool pool, F32x4 q, F32x4 k,
                    F32x4 v, Mask mask,
-                   Offset offset, Seed seed,
+                   Offset offset, Seed seed, Index batch_index, Index head_index,
                    ffi::ResultBuffer<ffi::F32, 4> out, ffi::ResultBuffer<ffi::F32, 3> m,
                    ffi::ResultBuffer<ffi::F32, 3> l, bool is_causal, bool has_mask,
                    float fill_value, uint32_t drop_threshold, float drop_scale, int64_t block_q,
                    int64_t block_k) {
   Attention a;
-  if (auto e = Decode(a, q, k, v, mask, offset, seed, is_causal, has_mask, fill_value,
-                      drop_threshold, drop_scale, block_q, block_k);
+  if (auto e = Decode(a, q, k, v, mask, offset, seed, batch_index, head_index, is_causal,
+                      has_mask, fill_value, drop_threshold, drop_scale, block_q, block_k);
       e.failure())
     return e;
   const int64_t blocks = (a.t + a.bq - 1) / a.bq;
@@ -400,7 +405,7 @@ ffi::Error Forward(ffi::ThreadPool pool, F32x4 q, F32x4 k,
 
 ffi::Error Backward(ffi::ThreadPool pool, F32x4 q, F32x4 k,
                     F32x4 v, Mask mask,
-                    Offset offset, Seed seed,
+                    Offset offset, Seed seed, Index batch_index, Index head_index,
                     F32x4 out, F32x3 m,
                     F32x3 l, F32x4 d_out,
                     ffi::ResultBuffer<ffi::F32, 4> dq, ffi::ResultBuffer<ffi::F32, 4> dk,
@@ -408,8 +413,8 @@ ffi::Error Backward(ffi::ThreadPool pool, F32x4 q, F32x4 k,
                     float fill_value, uint32_t drop_threshold, float drop_scale,
                     int64_t block_q, int64_t block_k) {
   Attention a;
-  if (auto e = Decode(a, q, k, v, mask, offset, seed, is_causal, has_mask, fill_value,
-                      drop_threshold, drop_scale, block_q, block_k);
+  if (auto e = Decode(a, q, k, v, mask, offset, seed, batch_index, head_index, is_causal,
+                      has_mask, fill_value, drop_threshold, drop_scale, block_q, block_k);
       e.failure())
     return e;
   ParallelFor(pool, a.batch * a.heads, [&](int64_t bh) {
@@ -439,6 +444,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FlaxAttentionForward, Forward,
                                   .Arg<Mask>()  // mask
                                   .Arg<Offset>()  // query_offset
                                   .Arg<Seed>()  // dropout seed
+                                  .Arg<Index>()  // batch_index
+                                  .Arg<Index>()  // head_index
                                   .Ret<F32x4>()  // out
                                   .Ret<F32x3>()  // m
                                   .Ret<F32x3>()  // l
@@ -459,6 +466,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FlaxAttentionBackward, Backward,
                                   .Arg<Mask>()  // mask
                                   .Arg<Offset>()  // query_offset
                                   .Arg<Seed>()  // dropout seed
+                                  .Arg<Index>()  // batch_index
+                                  .Arg<Index>()  // head_index
                                   .Arg<F32x4>()  // out
                                   .Arg<F32x3>()  // m
                                   .Arg<F32x3>()  // l
