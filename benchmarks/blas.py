@@ -115,13 +115,13 @@ class Blas:
     name: str
     shim: str  # the text of the build's cblas.h
     link: list[str]  # linker arguments (with an rpath, so the builds load without help)
-    library: str  # the shared library that holds sgemm (opened to set threads, read versions)
+    library: str  # the shared library that holds sgemm (recorded)
     qualifies: bool = True  # a package made for building against
     info: dict = dataclasses.field(default_factory=dict)
 
-    def single_threaded(self):
-        """Load the BLAS, set it to one thread and record its version and code path."""
-        lib = ctypes.CDLL(self.library, mode=ctypes.RTLD_GLOBAL)
+    def single_threaded(self, lib: ctypes.CDLL):
+        """Set the BLAS to one thread and record its version and code path; ``lib`` is a build
+        linked against it (MKL's libraries load only together, as a build's dependencies)."""
         if self.name.startswith("openblas"):
             suffix = "64_" if self.name == "openblas64" else ""
             getattr(lib, f"scipy_openblas_set_num_threads{suffix}")(1)
@@ -133,9 +133,6 @@ class Blas:
             buffer = ctypes.create_string_buffer(256)
             lib.MKL_Get_Version_String(buffer, 256)
             self.info["version"] = buffer.value.decode().strip()
-            branch = lib.MKL_CBWR_Get_Auto_Branch()  # the code path MKL picked for this CPU
-            names = {10: "AVX2", 12: "AVX512", 14: "AVX512_E1", 15: "AVX10", 8: "SSE4_2"}
-            self.info["auto_branch"] = names.get(branch, str(branch))
             self.info["MKL_ENABLE_INSTRUCTIONS"] = os.environ.get("MKL_ENABLE_INSTRUCTIONS")
         elif self.name == "blis":
             lib.bli_thread_set_num_threads(ctypes.c_int64(1))
@@ -293,7 +290,8 @@ class SgemmTimer:
     """One BLAS's timing loop, loaded from its build."""
 
     def __init__(self, path: str):
-        self.function = ctypes.CDLL(path).flax_blas_sgemm
+        self.library = ctypes.CDLL(path)
+        self.function = self.library.flax_blas_sgemm
         self.function.restype = ctypes.c_double
         i64, f32 = ctypes.c_int64, ctypes.c_float
         ptr = ctypes.c_void_p
@@ -329,12 +327,25 @@ def check_sgemm(timer: SgemmTimer, case: SgemmCase, rng) -> float:
     return float(np.max(np.abs(c[:, :n] - expected) / (bound + 1e-30)))
 
 
+def _mkl_code_path() -> list[str]:
+    """MKL's CPU-specific libraries in this process (libmkl_avx512, libmkl_avx2, libmkl_def...)."""
+    kinds = ("def", "mc3", "avx", "avx2", "avx512", "avx10")
+    with open("/proc/self/maps") as f:
+        names = {os.path.basename(line.split()[-1]) for line in f if "libmkl_" in line}
+    return sorted(n for n in names if n.split(".so")[0].removeprefix("libmkl_") in kinds)
+
+
 def time_sgemm(blases, workdir, shapes, repeats, rng) -> list[dict]:
     """Median seconds per call of each (op, shape), the BLAS taken round-robin."""
     timers = {
         blas.name: SgemmTimer(build(blas, _BENCH_SOURCE, workdir, f"sgemm_{blas.name}"))
         for blas in blases
     }
+    for blas in blases:
+        blas.single_threaded(timers[blas.name].library)
+        if blas.name == "mkl":  # MKL loads the kernels it chose for this CPU at its first call
+            check_sgemm(timers[blas.name], SgemmCase("PV", 32, 128), rng)
+            blas.info["code_path"] = _mkl_code_path()
     rows = []
     for bq, kend in shapes:
         for op in OPS:
@@ -537,8 +548,6 @@ def run(
         blases.append(mkl(mkl_prefix))
     if blis_dir:
         blases.append(blis(blis_dir))
-    for blas in blases:
-        blas.single_threaded()
     result = {
         "machine": {
             "cpu": _cpu_model(),
@@ -546,7 +555,6 @@ def run(
             "load_before": _load(),
             "march": os.environ.get("FLAX_ATTENTION_MARCH", "native"),
         },
-        "blas": {b.name: {"qualifies": b.qualifies, **b.info} for b in blases},
     }
     rng = np.random.default_rng(0)
     with tempfile.TemporaryDirectory(prefix="flax_attention_blas_") as scratch:
@@ -554,6 +562,7 @@ def run(
         folder.mkdir(parents=True, exist_ok=True)
         sgemm_shapes = QUICK_SGEMM_SHAPES if quick else SGEMM_SHAPES
         result["sgemm"] = time_sgemm(blases, folder, sgemm_shapes, 1 if quick else repeats, rng)
+        result["blas"] = {b.name: {"qualifies": b.qualifies, **b.info} for b in blases}
         if kernel:
             built = [b for b in blases if b.name != "blis"]  # reference sgemm only
             shapes = QUICK_KERNEL_SHAPES if quick else KERNEL_SHAPES
