@@ -5,7 +5,7 @@ the calls ``flax_attention/kernels/native/attention.cc`` makes for GPT-2 small (
 dim 64, rows ``12 * 64 = 768`` floats apart), then builds the kernel against each BLAS and times
 it alone, forward and forward+backward at b8 t256, b8 t1024 and b1 t4096 (causal), beside torch's
 ``scaled_dot_product_attention`` in the same run. Times are medians of calls taken round-robin;
-ratios are of medians from this one run.
+ratios are of medians from this one run; each round of calls starts one further along.
 
 BLAS (each one a package made for building against, except ``blis``):
 
@@ -357,9 +357,9 @@ def time_sgemm(blases, workdir, shapes, repeats, rng) -> list[dict]:
             samples = {name: [] for name in timers}
             for timer in timers.values():
                 timer(case, arguments, c, calls)  # warm-up
-            for _ in range(repeats):
-                for name, timer in timers.items():
-                    samples[name].append(timer(case, arguments, c, calls) / calls)
+            for order in _rotations(list(timers), repeats):
+                for name in order:
+                    samples[name].append(timers[name](case, arguments, c, calls) / calls)
             for name in timers:
                 seconds = float(np.median(samples[name]))
                 rows.append(
@@ -501,15 +501,22 @@ def time_kernel(blases, workdir, shapes, repeats) -> list[dict]:
     return rows
 
 
+def _rotations(names: list, repeats: int):
+    """``repeats`` orders of ``names``, each starting one further on: no build always runs right
+    after SDPA, whose OpenMP threads keep spinning a while after it returns."""
+    for r in range(repeats):
+        yield names[r % len(names) :] + names[: r % len(names)]
+
+
 def _median_ms(fns: dict, repeats: int) -> dict:
-    """Interleaved calls, one warm-up each: ``{name: median ms}``."""
+    """Interleaved calls in rotating order, one warm-up each: ``{name: median ms}``."""
     for fn in fns.values():
         fn()
     samples = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
+    for order in _rotations(list(fns), repeats):
+        for name in order:
             start = time.perf_counter()
-            fn()
+            fns[name]()
             samples[name].append(time.perf_counter() - start)
     return {name: 1e3 * float(np.median(s)) for name, s in samples.items()}
 
@@ -534,7 +541,7 @@ def run(
     mkl_prefix=None,
     openblas64_dir=None,
     blis_dir=None,
-    repeats=5,
+    repeats=4,
     quick=False,
     kernel=True,
     workdir=None,
@@ -600,7 +607,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--mkl", metavar="PREFIX", help="prefix of mkl, mkl-include, mkl-devel")
     parser.add_argument("--openblas64", metavar="DIR", help="folder holding scipy_openblas64")
     parser.add_argument("--blis", metavar="DIR", help="folder holding cython-blis (reference)")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=4, help="rounds (4: every position once)")
     parser.add_argument("--quick", action="store_true", help="smoke check: small shapes, 1 call")
     parser.add_argument("--no-kernel", action="store_true", help="sgemm only")
     parser.add_argument("--json", metavar="PATH", help="also write the result as JSON")
