@@ -5,7 +5,7 @@ the calls ``flax_attention/kernels/native/attention.cc`` makes for GPT-2 small (
 dim 64, rows ``12 * 64 = 768`` floats apart), then builds the kernel against each BLAS and times
 it alone, forward and forward+backward at b8 t256, b8 t1024 and b1 t4096 (causal), beside torch's
 ``scaled_dot_product_attention`` in the same run. Times are medians of calls taken round-robin;
-ratios are of medians from this one run; each round of calls starts one further along.
+ratios are of medians from this one run, the rounds' orders from a balanced Latin square.
 
 BLAS (each one a package made for building against, except ``blis``):
 
@@ -502,10 +502,18 @@ def time_kernel(blases, workdir, shapes, repeats) -> list[dict]:
 
 
 def _rotations(names: list, repeats: int):
-    """``repeats`` orders of ``names``, each starting one further on: no build always runs right
-    after SDPA, whose OpenMP threads keep spinning a while after it returns."""
+    """``repeats`` orders of ``names`` from a balanced Latin square (Williams): over a whole
+    square every name runs right after every other once, so none always follows SDPA (whose
+    OpenMP threads spin a while after it returns) or any one BLAS."""
+    n = len(names)
+    first = [0]
+    for i in range(1, n):  # 0, 1, n-1, 2, n-2, ...
+        first.append((i + 1) // 2 if i % 2 else n - i // 2)
+    rows = [[(x + r) % n for x in first] for r in range(n)]
+    if n % 2:  # an odd square needs its mirror too
+        rows += [row[::-1] for row in rows]
     for r in range(repeats):
-        yield names[r % len(names) :] + names[: r % len(names)]
+        yield [names[i] for i in rows[r % len(rows)]]
 
 
 def _median_ms(fns: dict, repeats: int) -> dict:
@@ -544,6 +552,7 @@ def run(
     repeats=4,
     quick=False,
     kernel=True,
+    kernel_shapes=None,
     workdir=None,
 ) -> dict:
     """Measure; the result as a dict (``machine``, ``blas``, ``sgemm`` and ``kernel`` rows)."""
@@ -572,7 +581,7 @@ def run(
         result["blas"] = {b.name: {"qualifies": b.qualifies, **b.info} for b in blases}
         if kernel:
             built = [b for b in blases if b.name != "blis"]  # reference sgemm only
-            shapes = QUICK_KERNEL_SHAPES if quick else KERNEL_SHAPES
+            shapes = kernel_shapes or (QUICK_KERNEL_SHAPES if quick else KERNEL_SHAPES)
             result["kernel"] = time_kernel(built, folder, shapes, 1 if quick else repeats)
     result["machine"]["load_after"] = _load()
     return result
@@ -607,9 +616,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--mkl", metavar="PREFIX", help="prefix of mkl, mkl-include, mkl-devel")
     parser.add_argument("--openblas64", metavar="DIR", help="folder holding scipy_openblas64")
     parser.add_argument("--blis", metavar="DIR", help="folder holding cython-blis (reference)")
-    parser.add_argument("--repeats", type=int, default=4, help="rounds (4: every position once)")
+    parser.add_argument(
+        "--repeats", type=int, default=4, help="rounds (a multiple of 4: whole Latin squares)"
+    )
     parser.add_argument("--quick", action="store_true", help="smoke check: small shapes, 1 call")
     parser.add_argument("--no-kernel", action="store_true", help="sgemm only")
+    parser.add_argument("--shapes", help="kernel shapes as BxT,BxT (default 8x256,8x1024,1x4096)")
     parser.add_argument("--json", metavar="PATH", help="also write the result as JSON")
     args = parser.parse_args(argv)
     import torch
@@ -622,6 +634,8 @@ def main(argv=None) -> dict:
         repeats=args.repeats,
         quick=args.quick,
         kernel=not args.no_kernel,
+        kernel_shapes=args.shapes
+        and [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")],
     )
     _print(result)
     if args.json:
