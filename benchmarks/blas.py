@@ -22,8 +22,12 @@ The kernel's source is not touched: each build compiles it with an include folde
 ``cblas.h`` includes the BLAS's own header and maps the kernel's ``scipy_cblas_sgemm`` to the
 BLAS's name. Each build's FFI targets are registered under their own names and the package's
 ``native_attention`` is traced with those names, so every build runs the same Python path.
-``--quick`` runs two small sgemm shapes and the kernel at b1 t128, one timed call each (a smoke
-check: sgemm results against numpy's float64 product, the kernel against SDPA).
+The result records the CPU, the load average before and after, and each BLAS's version and
+code path (OpenBLAS's core; the CPU-specific MKL libraries it loaded). Every sgemm call kind is
+checked against numpy's float64 product and every build's output and gradients against SDPA's.
+Options: ``--repeats`` (rounds; 4 makes one whole Latin square of 4 timed things), ``--shapes
+8x256,1x4096`` (kernel shapes), ``--no-kernel``, ``--json PATH``, and ``--quick``: two small
+sgemm shapes and the kernel at b1 t128, one timed call each (the smoke check the tests run).
 """
 
 from __future__ import annotations
