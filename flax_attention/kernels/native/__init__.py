@@ -12,9 +12,9 @@ one ``jax.custom_vjp``; the backward recomputes the tiles from the saved row max
 denominator ``l``. Tiles are ``block_q`` queries by ``block_k`` keys (64 by 512 unless given);
 the forward runs an online softmax across a row's key tiles. The BLAS is scipy-openblas32
 (single-threaded per call), the parallelism XLA's intra-op thread pool, one task per (batch,
-head, query block) forward and per (batch, head) backward. Inputs of float32 or bfloat16 are computed in float32 and the result
-cast back; ``precision`` is accepted for the common signature: the kernel always multiplies in
-full float32 (``HIGHEST``).
+head, query block) forward and per (batch, head) backward. Inputs of float32 or bfloat16 are
+computed in float32 and the result cast back; ``precision`` is accepted for the common
+signature: the kernel always multiplies in full float32 (``HIGHEST``).
 
 The library is built by the package's install (``setup.py``). Where it was not built, cannot be
 loaded, or ``FLAX_ATTENTION_NATIVE=0`` is set in the environment at import, ``available()`` is
