@@ -23,15 +23,18 @@ HEADS, HEAD_DIM = 12, 64
 
 
 def _median_ms(fns: dict, repeats: int) -> dict:
-    """Interleaved calls, one warm-up each: ``{name: median ms}``."""
+    """Interleaved calls, one warm-up each, each round starting one callable further on (as
+    ``benchmarks.timing.interleaved``): ``{name: median ms}``."""
     for fn in fns.values():
         fn()
     samples = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            samples[name].append(time.perf_counter() - start)
+    names = list(fns)
+    for round_ in range(repeats):
+        start = round_ % len(names)
+        for name in names[start:] + names[:start]:
+            begin = time.perf_counter()
+            fns[name]()
+            samples[name].append(time.perf_counter() - begin)
     return {name: 1e3 * float(np.median(s)) for name, s in samples.items()}
 
 
