@@ -6,13 +6,13 @@ query tokens, ``s`` key tokens, ``h`` heads, ``d`` features per head.
 ``native_attention`` takes and returns the layout of ``blocked_attention``:
 ``(..., t, h, d_k), (..., s, h, d_k), (..., s, h, d_v) -> (..., t, h, d_v)``, with the same
 ``AttentionMask`` and semantics (causal tile skipping, the caller's keep-mask, its fill,
-the query offset),
-plus dropout inside the tiles (``dropout_hash``). Forward and backward are two FFI targets under
-one ``jax.custom_vjp``; the backward recomputes the tiles from the saved row max ``m`` and
-denominator ``l``. Tiles are ``block_q`` queries by ``block_k`` keys (64 by 512 unless given);
-the forward runs an online softmax across a row's key tiles. The BLAS is scipy-openblas32
-(single-threaded per call), the parallelism XLA's intra-op thread pool, one task per (batch,
-head, query block) forward and per (batch, head) backward. Inputs of float32 or bfloat16 are
+the query offset), plus dropout inside the tiles (``dropout_hash``). Forward and backward are
+two FFI targets under one ``jax.custom_vjp``; the backward recomputes the tiles from the saved
+row max ``m`` and denominator ``l``. Tiles are ``block_q`` queries (64, or 128 from 2048
+queries, unless given) by ``block_k`` keys (512 unless given); the forward runs an online
+softmax across a row's key tiles. The BLAS is scipy-openblas32 (single-threaded per call), the
+parallelism XLA's intra-op thread pool, one task per (batch, head, query block) forward and per
+(batch, head) backward. Inputs of float32 or bfloat16 are
 computed in float32 and the result cast back; ``precision`` is accepted for the common
 signature: the kernel always multiplies in full float32 (``HIGHEST``).
 
@@ -147,7 +147,7 @@ def native_attention(
       dropout_rate: dropout on the weights inside the tiles, kept weights scaled by
         ``1 / (1 - rate)``; the keep-mask is ``dropout_hash.keep_mask(dropout_seed, ...)``.
       dropout_seed: uint32 (int or traced scalar), required when ``dropout_rate > 0``.
-      block_q: query rows per tile, 1 to 1024; ``0`` = 64.
+      block_q: query rows per tile, 1 to 1024; ``0`` = 64 (128 from 2048 queries).
       block_k: keys per tile, ``0`` = 512; rows longer than one tile go through an online
         softmax over their key tiles.
     """
