@@ -294,7 +294,9 @@ def draw(chart: Chart, path, caption_text: str = "") -> str:
         handles.setdefault(f"{panel.baseline_label} = 1", line)
         if panel.target is not None:
             line = ax.axhline(panel.target, color="tab:red", linestyle="--", linewidth=1)
-            handles.setdefault(f"{panel.title}: {panel.target_label}", line)
+            several = sum(p.target is not None for p in chart.panels) > 1
+            label = f"{panel.title}: {panel.target_label}" if several else panel.target_label
+            handles.setdefault(label, line)
         bounds = [*values, 1.0, panel.target or 1.0]
         if max(bounds) / min(bounds) > 20:
             ax.set_yscale("log")
@@ -304,11 +306,12 @@ def draw(chart: Chart, path, caption_text: str = "") -> str:
         ax.set_title(panel.title)
         ax.set_ylabel(panel.ylabel)
     fig.suptitle(chart.title)
-    fig.legend(handles.values(), handles.keys(), loc="center right", fontsize=8, frameon=False)
     if caption_text:
         fig.text(0.01, 0.01, caption_text, ha="left", va="bottom", fontsize=7, wrap=True)
     right = 1 - legend_width / fig.get_figwidth()
     fig.tight_layout(rect=(0, 0.3 / fig.get_figheight() if caption_text else 0, right, 1))
+    fig.legend(handles.values(), handles.keys(), loc="center left", bbox_to_anchor=(right, 0.5),
+               fontsize=8, frameon=False)  # fmt: skip
     fig.savefig(path, dpi=90, bbox_inches="tight")
     plt.close(fig)
     return os.fspath(path)
