@@ -2,7 +2,9 @@
 against the documents' eager torch module and torch's fused SDPA, with identical weights.
 
 ``python -m benchmarks`` prints one table per section and the machine it ran on; ``--json PATH``
-writes the rows (``ROW_FIELDS``), ``--quick`` runs a small smoke configuration. Sections:
+writes the rows (``ROW_FIELDS``), ``--charts DIR`` draws each section's ratios as a PNG
+(``benchmarks.charts``, which also redraws them from that JSON), ``--quick`` runs a small smoke
+configuration. Sections:
 
 - ``speed``: forward and forward+backward at GPT-2 small sizes, every Flax implementation (jitted
   over ``nnx.split``/``nnx.merge``) against torch eager and torch SDPA; median ms and the ratios
