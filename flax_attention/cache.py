@@ -162,18 +162,22 @@ def poison_unless(fits, x):
     return jnp.where(fits, x, jnp.asarray(jnp.nan, x.dtype))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 3, 4))
-def _generate(graphdef, state, prompt, num_steps, next_input):
-    module = nnx.merge(graphdef, state)
+@functools.partial(jax.jit, static_argnums=(0, 4, 5))
+def _generate(graphdef, params, state, prompt, num_steps, next_input):
+    """The parameters go in only; the rest (the caches, any RNG state) goes in and comes out.
+    Returning the parameters too would copy them on every call and hand back committed arrays
+    where the caller's were not, which compiles the function a second time."""
+    module = nnx.merge(graphdef, params, state)
     y = module(prompt, decode=True)[..., -1:, :]  # (..., 1, d_out)
 
     def step(carry, _):
         state, y = carry
-        module = nnx.merge(graphdef, state)
+        module = nnx.merge(graphdef, params, state)
         y = module(next_input(y), decode=True)  # (..., 1, d_out)
-        return (nnx.state(module), y), y[..., 0, :]
+        return (nnx.state(module, nnx.Not(nnx.Param)), y), y[..., 0, :]
 
-    (state, _), ys = jax.lax.scan(step, (nnx.state(module), y), length=num_steps)
+    carry = (nnx.state(module, nnx.Not(nnx.Param)), y)
+    (state, _), ys = jax.lax.scan(step, carry, length=num_steps)
     first = y[..., 0, :]
     return state, jnp.concatenate([first[None], ys], axis=0)  # (steps + 1, ..., d_out)
 
@@ -205,7 +209,12 @@ def generate(module, prompt, num_steps: int, next_input=_identity):
                 f"cache_index + prompt tokens + num_steps ({index} + {prompt.shape[-2]} + "
                 f"{num_steps}) must not exceed the cache's max_length ({max_length})"
             )
-    graphdef, state = nnx.split(module)
-    state, ys = _generate(graphdef, state, prompt, num_steps, next_input)
+    graphdef, params, state = nnx.split(module, nnx.Param, ...)
+    # What comes back from the jit is committed to its devices; commit what goes in alike (a
+    # fresh cache, a fresh RNG count) so the second call does not compile again.
+    state = jax.tree.map(
+        lambda x: jax.device_put(x, x.sharding) if isinstance(x, jax.Array) else x, state
+    )
+    state, ys = _generate(graphdef, params, state, prompt, num_steps, next_input)
     nnx.update(module, state)
     return jnp.moveaxis(ys, 0, -2)  # (..., num_steps + 1, d_out)

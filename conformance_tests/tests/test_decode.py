@@ -9,6 +9,7 @@ Flax's own ``MultiHeadAttention`` attends only to position 0 when decoding with 
 
 from __future__ import annotations
 
+import logging
 import re
 
 import jax
@@ -249,6 +250,29 @@ def test_generate_does_not_recompile_for_a_new_cache_of_the_same_shape():
     layer.init_cache(1)
     fa.generate(layer, _x(1, 3, seed=9), 4)
     assert fa.cache._generate._cache_size() == before
+
+
+def test_generate_compiles_once_from_a_fresh_layer_with_an_rng_stream(caplog):
+    """Loaded weights and a fresh cache are not committed to a device; what the jit hands back
+    is, and XLA compiles again for committed inputs (the trace is reused, so only the compile
+    log shows it). Parameters only go in and the rest is committed before the call, so later
+    calls find the first one's compilation."""
+    layer = fa.MultiHeadAttention(8, 8, 16, 0.1, 2, qkv_bias=True, rngs=nnx.Rngs(0))
+    # weights from a file, as numpy arrays: not committed (the case that compiled twice)
+    fa.load_state_dict(layer, {k: np.asarray(v) for k, v in fa.state_dict(layer).items()})
+    layer.eval()
+    assert jax.tree.leaves(nnx.state(layer, nnx.RngState))  # the dropout's stream is state
+    outputs, compiles = [], []
+    with jax.log_compiles(True), caplog.at_level(logging.WARNING):
+        for seed in (1, 2, 3):
+            caplog.clear()
+            layer.init_cache(1)
+            outputs.append(fa.generate(layer, _x(1, 3, seed=seed), 4))
+            messages = [r.getMessage() for r in caplog.records]
+            compiles.append(sum("Compiling jit(_generate)" in m for m in messages))
+    assert compiles[1:] == [0, 0], compiles  # the first call may find an earlier test's
+    assert all(o.shape == (1, 5, 8) for o in outputs)
+    assert float(jnp.abs(outputs[0] - outputs[1]).max()) > 0.0  # other prompts, other outputs
 
 
 def test_multiheaded_attention_projects_the_memory_once():
