@@ -18,20 +18,20 @@ import time
 
 import numpy as np
 
+from benchmarks.timing import rotations
+
 SHAPES = ((8, 256), (8, 1024), (1, 4096))
 HEADS, HEAD_DIM = 12, 64
 
 
 def _median_ms(fns: dict, repeats: int) -> dict:
-    """Interleaved calls, one warm-up each, each round starting one callable further on (as
-    ``benchmarks.timing.interleaved``): ``{name: median ms}``."""
+    """Interleaved calls, one warm-up each, the rounds ordered by ``timing.rotations``:
+    ``{name: median ms}``."""
     for fn in fns.values():
         fn()
     samples = {name: [] for name in fns}
-    names = list(fns)
-    for round_ in range(repeats):
-        start = round_ % len(names)
-        for name in names[start:] + names[:start]:
+    for order in rotations(list(fns), repeats):
+        for name in order:
             begin = time.perf_counter()
             fns[name]()
             samples[name].append(time.perf_counter() - begin)

@@ -2,10 +2,10 @@
 
 The machine is shared and noisy, so the callables compared in one ratio are timed round-robin
 (call 1 of each, then call 2 of each, ...): a burst of load from elsewhere hits all of them, and
-the ratio of medians stays meaningful where absolute times drift. Each round starts one callable
-further on: torch's OpenMP threads spin for a few milliseconds after its call returns, which
-slows whatever runs next (measured: about 3 ms on a 12 ms native call at b8 t256), so no one
-callable always comes right after torch.
+the ratio of medians stays meaningful where absolute times drift. The rounds' orders come from a
+balanced Latin square (``rotations``): torch's OpenMP threads spin for a few milliseconds after
+its call returns, which slows whatever runs next (measured: about 3 ms on a 12 ms native call at
+b8 t256), so no callable always comes right after torch, or after any one other callable.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import jax
 
-__all__ = ["Timing", "block", "interleaved", "time_calls"]
+__all__ = ["Timing", "block", "interleaved", "rotations", "time_calls"]
 
 
 class Timing(dict):
@@ -49,18 +49,31 @@ def time_calls(fn: Callable[[], object], repeats: int) -> Timing:
     return Timing.of([_once(fn) for _ in range(repeats)])
 
 
+def rotations(names: list, repeats: int):
+    """``repeats`` orders of ``names`` from a balanced Latin square (Williams): over a whole
+    square every name runs right after every other once (an odd count needs the square and its
+    mirror), so none always follows torch's SDPA or any one other name."""
+    n = len(names)
+    first = [0]
+    for i in range(1, n):  # 0, 1, n-1, 2, n-2, ...
+        first.append((i + 1) // 2 if i % 2 else n - i // 2)
+    rows = [[(x + r) % n for x in first] for r in range(n)]
+    if n % 2:
+        rows += [row[::-1] for row in rows]
+    for r in range(repeats):
+        yield [names[i] for i in rows[r % len(rows)]]
+
+
 def interleaved(fns: dict[str, Callable[[], object]], repeats: int, progress=None):
-    """``{name: Timing}`` from ``repeats`` rounds, each calling every ``fn`` once in turn,
-    round ``i`` starting at the ``i``-th (modulo the count).
+    """``{name: Timing}`` from ``repeats`` rounds, each calling every ``fn`` once, in the orders
+    of ``rotations``.
 
     ``progress`` (``conformance_tests.cli.progress_bar``'s bar, or ``None``) is advanced once per
     call.
     """
     samples: dict[str, list[float]] = {name: [] for name in fns}
-    names = list(fns)
-    for round_ in range(repeats):
-        start = round_ % len(names)
-        for name in names[start:] + names[:start]:
+    for order in rotations(list(fns), repeats):
+        for name in order:
             samples[name].append(_once(fns[name]))
             if progress is not None:
                 progress.update(1)

@@ -1,13 +1,47 @@
-"""``benchmarks.timing.interleaved``: every callable once per round, each round starting one
-further on (no callable always runs right after the same one)."""
+"""``benchmarks.timing``: every callable once per round, the rounds ordered by a balanced Latin
+square, so no callable always runs right after the same one (torch's spinning OpenMP threads
+slow whatever follows it)."""
 
-from benchmarks.timing import interleaved
+import itertools
+
+import pytest
+
+from benchmarks.timing import interleaved, rotations
 
 
-def test_rounds_rotate_their_start():
+def _followers(orders):
+    """``{(before, after): count}`` over consecutive calls within each round."""
+    pairs = {}
+    for order in orders:
+        for before, after in itertools.pairwise(order):
+            pairs[(before, after)] = pairs.get((before, after), 0) + 1
+    return pairs
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 7])
+def test_a_whole_square_puts_every_name_right_after_every_other(n):
+    names = [f"f{i}" for i in range(n)]
+    square = n if n % 2 == 0 else 2 * n  # an odd count needs the square and its mirror
+    orders = list(rotations(names, square))
+    assert all(sorted(order) == names for order in orders)  # each round calls each once
+    pairs = _followers(orders)
+    expected = 1 if n % 2 == 0 else 2
+    assert pairs == {(a, b): expected for a in names for b in names if a != b}
+
+
+def test_seven_callables_three_rounds_no_one_always_follows_the_same():
+    names = ["eager", "sdpa", "reference", "xla", "blocked", "native", "default"]
+    orders = list(rotations(names, 3))
+    for name in names:
+        before = {order[order.index(name) - 1] for order in orders if order.index(name) > 0}
+        assert len(before) > 1 or sum(order.index(name) > 0 for order in orders) <= 1, name
+
+
+def test_interleaved_calls_each_once_per_round_in_the_squares_order():
     calls = []
     fns = {name: (lambda name=name: calls.append(name)) for name in "abc"}
     timings = interleaved(fns, repeats=4)
-    assert calls == [*"abc", *"bca", *"cab", *"abc"]
+    assert calls == [name for order in rotations(list("abc"), 4) for name in order]
+    assert calls[:3] != calls[3:6]  # the order changes between rounds
     assert {name: timing["repeats"] for name, timing in timings.items()} == dict.fromkeys("abc", 4)
     assert all(timing["median_ms"] >= 0.0 for timing in timings.values())

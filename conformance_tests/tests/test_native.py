@@ -220,6 +220,27 @@ def test_fully_masked_row(is_causal, fill, block_k):
 
 
 @pytestmark_native
+@pytest.mark.parametrize(
+    ("is_causal", "offset"), [(False, 0), (True, 20)], ids=["full", "causal_offset_20"]
+)
+@pytest.mark.parametrize("fill", [-np.inf, -1e10], ids=["inf", "1e10"])
+def test_rows_whose_first_key_tiles_are_all_masked(fill, is_causal, offset):
+    """The online softmax starts on tiles with nothing the caller keeps (max -inf, or -1e10 for
+    every key) and meets its keys in a later tile: rescaled from there, equal to ``reference``,
+    gradients too. 20 queries, 40 keys in tiles of 8; rows keep keys 17-35, every third row
+    only keys 17-19 (causal at offset 20: every row sees keys 0-20 at least)."""
+    q, k, v, cotangent, _ = _inputs((2,), 20, 40, 2, 16, 16, None)
+    mask = np.zeros((2, 1, 20, 40), bool)
+    mask[..., 17:36] = True
+    mask[..., ::3, 20:] = False
+    expected = _run(_reference(mask, is_causal, offset, fill), q, k, v, cotangent)
+    kernel = _native(mask, is_causal, offset, fill, block_q=4, block_k=8)
+    actual = _run(kernel, q, k, v, cotangent)
+    assert np.isfinite(np.asarray(expected["out"])).all()  # every row keeps a key it sees
+    _assert_close(expected, actual, f"first tiles masked, fill {fill}")
+
+
+@pytestmark_native
 def test_traced_offset():
     """A decode chunk's ``query_offset`` is a traced int32 under ``jit``."""
     q, k, v, cotangent, _ = _inputs((2,), 3, 16, 2, 16, 16, None)

@@ -22,7 +22,8 @@ loaded, or ``FLAX_ATTENTION_NATIVE=0`` is set in the environment at import, ``av
 
 Under ``vmap`` the kernel runs once per mapped element (``vmap_method="sequential"``).
 
-On a mesh (``jax.set_mesh``) each device runs the kernel on its own batch rows and heads: XLA
+On a mesh (``jax.set_mesh``) each device runs the kernel on its own batch rows and heads (calls
+with a batch axis; an unbatched ``(t, h, d)`` call runs whole on every device): XLA
 cannot split a custom call and would gather its operands onto every device, so
 ``native_attention`` calls it inside ``jax.shard_map`` over the leading (batch) axes and the
 heads (``_split``). Where they go: on ``Explicit`` mesh axes, where the queries' type puts them;

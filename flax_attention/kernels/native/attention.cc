@@ -130,13 +130,6 @@ constexpr int64_t kMaxRows = 1024;
 
 int64_t Padded(int64_t n) { return (n + kLanes - 1) / kLanes * kLanes; }
 
-// Scaled scores of query rows [i0, i0 + rows) against keys [0, kend): S (rows x ld).
-void Scores(const Attention& a, int64_t b, int64_t hd, int64_t i0, int64_t rows, int64_t kend,
-            float* S, int64_t ld) {
-  scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, kend, a.dk, a.scale,
-                    a.Q(b, i0, hd), a.heads * a.dk, a.K(b, 0, hd), a.heads * a.dk, 0.0f, S, ld);
-}
-
 // One row's scores as the softmax sees them: the caller-masked keys of [0, n) filled, the keys
 // from n on (hidden by causality, or padding) -inf.
 void MaskRow(const Attention& a, const bool* keep, float* row, int64_t n, int64_t ld) {
@@ -227,8 +220,8 @@ void ForwardBlock(const Attention& a, int64_t b, int64_t hd, int64_t i0, float* 
     }
     return;
   }
-  // Keys in chunks of bk: one chunk (the whole row) while the block's rows fit, else an online
-  // softmax over the chunks, the rows' output rescaled by exp(m_old - m_new) as the max grows.
+  // Keys in chunks of bk: one chunk (the whole row) while kend <= bk, else an online softmax
+  // over the chunks, the rows' output rescaled by exp(m_old - m_new) as the max grows.
   const int64_t bk = std::min(a.bk, kend), ld = Padded(bk);
   const bool online = bk < kend;
   float* S = Scratch(rows * ld + ld + (online ? rows * a.dv : 0));
