@@ -1,4 +1,4 @@
-"""The documents' input and every printed value the seeds' README lists, as NumPy data.
+"""The documents' input and every value they print, as NumPy data.
 
 Each value cites its document and cell; the seed and call sequence that produce it are in the
 test that reproduces it (``tests/test_documents.py``). The documents print 4 decimals, so a

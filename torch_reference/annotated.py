@@ -96,7 +96,7 @@ def attention(
         dropout: an ``nn.Dropout`` applied to the weights, or ``None``
     Return:
         out: shape (..., q_len, v_dim), and attention_score: shape (..., q_len, k_len).
-        (The document's docstring gives other shapes; see the seeds' errata.)
+        (The document's docstring gives other shapes: an erratum of the document.)
     """
     k_dim = query.size(-1)
 

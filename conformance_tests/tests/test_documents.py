@@ -2,7 +2,7 @@
 
 Each test follows the document's own seed and call sequence; Flax layers get the torch weights
 made by that sequence (Flax draws its own numbers from the same distributions, not the same
-numbers). Errata listed in the seeds' README are not pinned.
+numbers). Known errata in the documents' printed numbers are not pinned.
 """
 
 from __future__ import annotations
