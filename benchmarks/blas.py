@@ -47,11 +47,10 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 
 import numpy as np
 
-from benchmarks.timing import rotations
+from benchmarks.timing import median_ms, rotations
 
 HEADS, HEAD_DIM = 12, 64
 ROW = HEADS * HEAD_DIM  # the rows of q, k, v, out and their gradients: (b, t, h, d)
@@ -494,7 +493,7 @@ def time_kernel(blases, workdir, shapes, repeats) -> list[dict]:
                     float(np.max(np.abs(np.asarray(g) - w))) for g, w in zip(got, want)
                 )
                 calls[blas.name] = lambda c=compiled, a=(jq, jk, jv): jax.block_until_ready(c(*a))
-            ms = _median_ms(calls, repeats)
+            ms = median_ms(calls, repeats)
             for blas in blases:
                 rows.append(
                     dict(
@@ -509,19 +508,6 @@ def time_kernel(blases, workdir, shapes, repeats) -> list[dict]:
                     )
                 )
     return rows
-
-
-def _median_ms(fns: dict, repeats: int) -> dict:
-    """Interleaved calls in rotating order, one warm-up each: ``{name: median ms}``."""
-    for fn in fns.values():
-        fn()
-    samples = {name: [] for name in fns}
-    for order in rotations(list(fns), repeats):
-        for name in order:
-            start = time.perf_counter()
-            fns[name]()
-            samples[name].append(time.perf_counter() - start)
-    return {name: 1e3 * float(np.median(s)) for name, s in samples.items()}
 
 
 # ---- the run -------------------------------------------------------------------------------

@@ -14,28 +14,13 @@ import argparse
 import json
 import subprocess
 import sys
-import time
 
 import numpy as np
 
-from benchmarks.timing import rotations
+from benchmarks.timing import median_ms
 
 SHAPES = ((8, 256), (8, 1024), (1, 4096))
 HEADS, HEAD_DIM = 12, 64
-
-
-def _median_ms(fns: dict, repeats: int) -> dict:
-    """Interleaved calls, one warm-up each, the rounds ordered by ``timing.rotations``:
-    ``{name: median ms}``."""
-    for fn in fns.values():
-        fn()
-    samples = {name: [] for name in fns}
-    for order in rotations(list(fns), repeats):
-        for name in order:
-            begin = time.perf_counter()
-            fns[name]()
-            samples[name].append(time.perf_counter() - begin)
-    return {name: 1e3 * float(np.median(s)) for name, s in samples.items()}
 
 
 def _core_calls(batch, tokens):
@@ -120,7 +105,7 @@ def main(argv=None):
         for level, make in (("core", _core_calls),):
             forward, backward = make(batch, tokens)
             for mode, fns in (("fwd", forward), ("fwd+bwd", backward)):
-                ms = _median_ms(fns, args.repeats)
+                ms = median_ms(fns, args.repeats)
                 row = {"shape": f"b{batch} t{tokens}", "level": level, "mode": mode, **ms}
                 rows.append(row)
                 print(

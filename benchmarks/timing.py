@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import jax
 
-__all__ = ["Timing", "block", "interleaved", "rotations", "time_calls"]
+__all__ = ["Timing", "block", "interleaved", "median_ms", "rotations", "time_calls"]
 
 
 class Timing(dict):
@@ -78,3 +78,10 @@ def interleaved(fns: dict[str, Callable[[], object]], repeats: int, progress=Non
             if progress is not None:
                 progress.update(1)
     return {name: Timing.of(s) for name, s in samples.items()}
+
+
+def median_ms(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """One warm-up call of each ``fn``, then ``interleaved``: ``{name: median ms}``."""
+    for fn in fns.values():
+        block(fn())
+    return {name: timing["median_ms"] for name, timing in interleaved(fns, repeats).items()}

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from benchmarks.timing import interleaved, rotations
+from benchmarks.timing import interleaved, median_ms, rotations
 
 
 def _followers(orders):
@@ -45,3 +45,12 @@ def test_interleaved_calls_each_once_per_round_in_the_squares_order():
     assert calls[:3] != calls[3:6]  # the order changes between rounds
     assert {name: timing["repeats"] for name, timing in timings.items()} == dict.fromkeys("abc", 4)
     assert all(timing["median_ms"] >= 0.0 for timing in timings.values())
+
+
+def test_median_ms_warms_each_callable_up_once_then_times_every_round():
+    calls = []
+    fns = {name: (lambda name=name: calls.append(name)) for name in "ab"}
+    result = median_ms(fns, repeats=3)
+    assert calls[:2] == ["a", "b"]  # the warm-up, not timed
+    assert sorted(calls[2:]) == sorted("ab" * 3)
+    assert set(result) == {"a", "b"} and all(ms >= 0.0 for ms in result.values())
