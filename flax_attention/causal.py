@@ -83,12 +83,20 @@ def check_causal_input(x, d_in, context_length):
     check_num_tokens(x.shape[-2], context_length)
 
 
+#: The fill of keys a caller's ``mask`` hides in the causal layers (left padding): finite, as
+#: document 001's, so a padding query that sees no real key gives finite (unused) values instead
+#: of NaN, which would reach the real tokens through ``0 * NaN``; ``exp(-1e10 - max)`` is exactly
+#: 0, so the real tokens' outputs equal those of the unpadded sequence.
+PADDING_FILL = -1e10
+
+
 def causal_attention(
     queries,
     keys,
     values,
     *,
     cache: tuple[nnx.Cache | None, nnx.Cache | None, nnx.Cache | None] | None,
+    mask=None,
     dropout,
     precision,
     implementation,
@@ -97,7 +105,10 @@ def causal_attention(
     """Causal attention of ``(..., t, h, d)`` projections through the core, as every causal
     layer runs it. With ``cache`` (the layer's ``(cached_key, cached_value, cache_index)``, for
     ``decode=True``) the new keys and values go into the cache first and the queries attend to
-    all of it from their own position; an overflow inside jit gives NaN."""
+    all of it from their own position; an overflow inside jit gives NaN. ``mask`` (optional,
+    broadcastable to the weights ``(..., h, t, s)``, ``s`` the cache's length with ``cache``)
+    hides the keys where it is ``False`` (padding) with ``PADDING_FILL``, a finite fill, so a
+    query that sees only hidden keys stays finite; causality still applies on top."""
     offset, fits, kv_layout = 0, None, "shd"
     if cache is not None:  # the whole cache, heads first
         keys, values, offset, fits = decode_cache.append(*cache, keys, values)
@@ -106,8 +117,10 @@ def causal_attention(
         queries,
         keys,
         values,
+        mask,
         is_causal=True,
         query_offset=offset,
+        fill_value=PADDING_FILL,
         dropout=dropout,
         precision=precision,
         implementation=implementation,

@@ -18,7 +18,9 @@ layout          peer                                   keys
                                                        ``.bias``
 ``gpt2``        Hugging Face ``GPT2Attention``         ``c_attn.weight`` ``(d_in, 3·d_out)``,
                                                        ``c_attn.bias``, ``c_proj.weight``
-                                                       ``(d_out, d_out)``, ``c_proj.bias``
+                                                       ``(d_out, d_out)``, ``c_proj.bias``;
+                (``GPT2LMHeadModel`` for a model)      a model: ``transformer.h.{i}.…`` or
+                                                       ``h.{i}.…`` (``ModelNames``)
 ``fused_qkv``   the book's combined-QKV variant,       ``qkv.weight`` ``(3·d_out, d_in)``,
                 nanoGPT-style code                     ``qkv.bias``, ``proj.weight``/``.bias``
 ==============  =====================================  ==========================================
@@ -28,7 +30,7 @@ from __future__ import annotations
 
 from typing import Literal, NamedTuple
 
-__all__ = ["LAYOUTS", "ROLES", "Buffer", "Key", "Layout"]
+__all__ = ["LAYOUTS", "ROLES", "Buffer", "Key", "Layout", "ModelNames"]
 
 #: The documents' keys that play each role, per layer class (``documents`` takes every layer).
 ROLES: dict[str, dict[str, str]] = {
@@ -95,6 +97,27 @@ class Layout(NamedTuple):
     square: bool = False
 
 
+class ModelNames(NamedTuple):
+    """A whole model's names in a layout, as the model declares them (``peer_names(layout)``).
+
+    ``params``: ``(own key, layout key, transposed)`` for the parameters outside the attention
+    layers: the own key is the documents' (torch) name, ``transposed`` says the layout stores
+    the transpose of torch's layout (``Conv1D``). ``layers``: ``(own prefix, layout prefix)`` of
+    each attention layer, whose own layout of the same name applies under the prefix.
+    ``aliases``: ``(layout key, key it repeats)``, a second name of a tied parameter (GPT-2's
+    ``lm_head.weight`` for ``wte.weight``): never required, loaded only if equal to what it
+    repeats, exported as a copy. ``base_prefixes``: the spellings of the layout's common start
+    (Hugging Face's ``transformer.`` or the hub's bare names); the first is exported, a load
+    takes the one its keys use. ``unprefixed``: layout keys outside that start.
+    """
+
+    params: tuple[tuple[str, str, bool], ...] = ()
+    layers: tuple[tuple[str, str], ...] = ()
+    aliases: tuple[tuple[str, str], ...] = ()
+    base_prefixes: tuple[str, ...] = ("",)
+    unprefixed: tuple[str, ...] = ()
+
+
 _QKV_WEIGHT = ("q.weight", "k.weight", "v.weight")
 _QKV_BIAS = ("q.bias", "k.bias", "v.bias")
 _ADD_BIAS_KV = (
@@ -113,6 +136,7 @@ LAYOUTS: dict[str, Layout] = {
             "MultiHeadAttentionWrapper",
             "MultiHeadAttention",
             "MultiHeadedAttention",
+            "GPTModel",
         ),
         buffers=(Buffer("mask", "triu", export=True),),
     ),
@@ -143,8 +167,8 @@ LAYOUTS: dict[str, Layout] = {
     ),
     "gpt2": Layout(
         "gpt2",
-        "Hugging Face GPT2Attention",
-        ("MultiHeadAttention",),
+        "Hugging Face GPT2Attention (GPT2LMHeadModel for a GPTModel)",
+        ("MultiHeadAttention", "GPTModel"),
         keys=(
             Key("c_attn.weight", _QKV_WEIGHT, transpose=True),
             Key("c_attn.bias", _QKV_BIAS),

@@ -120,7 +120,11 @@ class MultiHeadAttention(nnx.Module):
         x = x.reshape(*x.shape[:-1], self.num_heads, self.head_dim)  # (..., t, h, d)
         return constrain(x, HEADS)  # on a mesh: each head stays on its device
 
-    def __call__(self, x: jax.Array, *, decode: bool = False) -> jax.Array:
+    def __call__(self, x: jax.Array, *, decode: bool = False, mask=None) -> jax.Array:
+        """``x`` ``(..., t, d_in)`` -> ``(..., t, d_out)``. Flax options: ``decode`` (continue the
+        sequence in the decode cache) and ``mask``, bool, broadcastable to the weights
+        ``(..., h, t, s)`` (``s``: ``t``, or the cache's ``max_length`` with ``decode``):
+        ``False`` hides a key (left padding: ``(b, 1, 1, s)``) on top of the causal mask."""
         check_causal_input(x, self.d_in, self.context_length)
         keys = self._split_heads(self.W_key(x))  # (..., t, h, d)
         queries = self._split_heads(self.W_query(x))  # (..., t, h, d)
@@ -130,6 +134,7 @@ class MultiHeadAttention(nnx.Module):
             keys,
             values,
             cache=(self.cached_key, self.cached_value, self.cache_index) if decode else None,
+            mask=mask,
             dropout=self.dropout,
             precision=self.precision,
             implementation=self.implementation,

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from flax_attention.layouts import LAYOUTS, ROLES, Buffer, Key, Layout
+from flax_attention.layouts import LAYOUTS, ROLES, Buffer, Key, Layout, ModelNames
 
 __all__ = ["IncompatibleKeys", "load_state_dict", "state_dict", "save_file", "load_file"]
 
@@ -60,6 +60,8 @@ def _torch_entries(module: nnx.Module) -> dict[str, _Entry]:
         if isinstance(node, nnx.Param):
             if path[-1] == "kernel":
                 entries[name.removesuffix("kernel") + "weight"] = _Entry(node, True, None)
+            elif path[-1] == "embedding":  # nnx.Embed: torch's nn.Embedding weight as it is
+                entries[name.removesuffix("embedding") + "weight"] = _Entry(node, False, None)
             else:
                 entries[name] = _Entry(node, False, None)
         elif isinstance(node, nnx.Module) and isinstance(
@@ -95,6 +97,7 @@ class _Target(NamedTuple):
     expected: np.ndarray | None = None  # the buffer's value (None: any value of its shape)
     shape: tuple[int, ...] = ()  # the buffer's shape
     hint: str = ""
+    alias: str = ""  # a tied parameter's second name: the key whose value this must repeat
 
     @property
     def layout_shape(self) -> tuple[int, ...]:
@@ -151,6 +154,7 @@ def _targets(module: nnx.Module, spec: Layout, given=()) -> dict[str, _Target]:
     picks an alternative form (torch's separate ``q_proj_weight``, ...) when it holds one."""
     entries = _torch_entries(module)
     masks = {name: e.expected for name, e in entries.items() if e.variable is None}
+    names = module.peer_names(spec.name) if hasattr(module, "peer_names") else None
     if spec.name == "documents":
         targets = {}
         for name, entry in entries.items():
@@ -158,7 +162,11 @@ def _targets(module: nnx.Module, spec: Layout, given=()) -> dict[str, _Target]:
                 targets[name] = _buffer_target(spec.buffers[0], entry.expected)
             else:
                 targets[name] = _Target(parts=(_Part(entry, _torch_shape(entry), name),))
+        for alias, of in names.aliases if names is not None else ():
+            targets[alias] = targets[of]._replace(alias=of)
         return targets
+    if names is not None:
+        return _model_targets(module, spec, names, entries, given)
 
     roles = ROLES[_layer_class(module)]
 
@@ -190,6 +198,53 @@ def _targets(module: nnx.Module, spec: Layout, given=()) -> dict[str, _Target]:
         (mask,) = masks.values()
         for buffer in spec.buffers:
             targets[buffer.name] = _buffer_target(buffer, mask)
+    return targets
+
+
+def _submodule(module: nnx.Module, prefix: str) -> nnx.Module:
+    """The submodule at the dotted ``prefix`` (``"trf_blocks.3.att."``)."""
+    for part in prefix.strip(".").split("."):
+        module = module[int(part)] if part.isdigit() else getattr(module, part)
+    return module
+
+
+def _model_targets(module, spec: Layout, names: ModelNames, entries, given) -> dict[str, _Target]:
+    """A whole model's targets in ``spec``: each attention layer's own layout under its prefix,
+    the other parameters renamed (``names.params``), the tied aliases; all under the base
+    prefix the offered keys use (the first one on export)."""
+    base = next(
+        (
+            p
+            for p in names.base_prefixes
+            if any(k.startswith(p) and k not in names.unprefixed for k in given)
+        ),
+        names.base_prefixes[0],
+    )
+
+    def full(key: str) -> str:
+        return key if key in names.unprefixed else base + key
+
+    targets: dict[str, _Target] = {}
+    covered = set()
+    for own, peer in names.layers:
+        start = full(peer)
+        inner = {key[len(start) :] for key in given if key.startswith(start)}
+        for name, target in _targets(_submodule(module, own), spec, inner).items():
+            targets[start + name] = target
+        covered |= {name for name in entries if name.startswith(own)}
+    for own, peer, transposed in names.params:
+        entry = entries[own]
+        part = _Part(entry, _torch_shape(entry), own)
+        targets[full(peer)] = _Target(parts=(part,), transpose=transposed)
+        covered.add(own)
+    for alias, of in names.aliases:
+        targets[full(alias)] = targets[full(of)]._replace(alias=full(of))
+    left = [name for name, entry in entries.items() if entry.variable is not None]
+    if any(name not in covered for name in left):  # the model's names and its graph disagree
+        raise RuntimeError(
+            f"{type(module).__name__}.peer_names({spec.name!r}) leaves out "
+            f"{[name for name in left if name not in covered]}"
+        )
     return targets
 
 
@@ -302,6 +357,20 @@ def _split(name, target: _Target, value: np.ndarray, updates: list) -> str | Non
     return None
 
 
+def _check_alias(name, of, value: np.ndarray, repeated) -> str | None:
+    """A tied parameter's second name must repeat the first (``repeated``; ``None`` if absent,
+    then the first is reported missing)."""
+    if repeated is None:
+        return None
+    try:
+        same = np.array_equal(value, np.asarray(repeated))
+    except Exception:  # noqa: BLE001 - the first name's own check reports it
+        return None
+    if same:
+        return None
+    return f"{name}: differs from {of} (the head is tied to the token embedding: one matrix)"
+
+
 def _assign(variable: nnx.Variable, value: np.ndarray) -> None:
     """Replace the variable's value whole, on its current sharding. (``variable[...] = value``
     compiles an XLA scatter per shape and fails on an abstract module made by ``nnx.eval_shape``,
@@ -355,7 +424,9 @@ def load_state_dict(
             values[name] = np.zeros(targets[name].layout_shape, np.float32)
     refused = dict(spec.refused)
     missing = [
-        prefix + name for name, t in targets.items() if name not in values and t.buffer is None
+        prefix + name
+        for name, t in targets.items()
+        if name not in values and t.buffer is None and not t.alias
     ]
     unexpected = [full for name, full in given.items() if name not in targets]
     if not prefix:  # a key that is not a string cannot be any layer's
@@ -374,7 +445,9 @@ def load_state_dict(
             problems.append(f"{full}: cannot be read as an array ({error})")
             continue
         problem = _check_value(full, target, value)
-        if problem is None and target.buffer is None:
+        if problem is None and target.alias:
+            problem = _check_alias(full, prefix + target.alias, value, values.get(target.alias))
+        elif problem is None and target.buffer is None:
             problem = _split(full, target, value, updates)
         if problem is not None:
             mismatched.append(full)

@@ -1,0 +1,47 @@
+"""The models the attention layers exist for: the book's chapter 4 ``GPTModel`` (which is also
+Hugging Face's GPT-2), its checkpoints, generation and training.
+
+- ``GPTModel(cfg, *, rngs)``, ``LayerNorm``, ``GELU``, ``FeedForward``, ``TransformerBlock``:
+  chapter 4's modules on ``flax_attention.MultiHeadAttention`` (``gpt``).
+- Checkpoints: the book's torch state dict through ``flax_attention.load_state_dict`` and
+  ``state_dict`` (``read_pth`` reads a ``.pth``); Hugging Face GPT-2 directories through
+  ``GPTModel.from_pretrained`` and ``save_pretrained`` (``checkpoints``).
+- ``generate_text_simple``, ``generate``: chapters 4 and 5's generation (``generation``).
+- ``calc_loss_batch``, ``train_step``, ``calc_loss_loader``, ``evaluate_model``: chapter 5's
+  training with optax (``training``).
+
+Nothing here imports torch (``read_pth`` does, when called).
+"""
+
+from flax_attention.models.checkpoints import read_pth
+from flax_attention.models.generation import generate, generate_text_simple
+from flax_attention.models.gpt import (
+    GPT_CONFIG_124M,
+    GELU,
+    FeedForward,
+    GPTModel,
+    LayerNorm,
+    TransformerBlock,
+)
+from flax_attention.models.training import (
+    calc_loss_batch,
+    calc_loss_loader,
+    evaluate_model,
+    train_step,
+)
+
+__all__ = [
+    "GPT_CONFIG_124M",
+    "GELU",
+    "FeedForward",
+    "GPTModel",
+    "LayerNorm",
+    "TransformerBlock",
+    "read_pth",
+    "generate",
+    "generate_text_simple",
+    "calc_loss_batch",
+    "calc_loss_loader",
+    "evaluate_model",
+    "train_step",
+]

@@ -1,0 +1,247 @@
+"""Checkpoints of ``GPTModel``: Hugging Face GPT-2 directories in and out, the book's ``.pth``.
+
+- ``load_pretrained(GPTModel, path)`` (``GPTModel.from_pretrained(path)``) reads a directory as ``save_pretrained`` writes it or as the hub
+  serves it: ``config.json`` and ``model.safetensors``, or a sharded
+  ``model.safetensors.index.json`` with its shard files. The model is built abstractly (no
+  parameter is drawn at random) and filled through the weight bridge's ``"gpt2"`` layout, one
+  strict, all-or-nothing load; its RNG state is concrete, so the result jits, differentiates and
+  trains like any module.
+- ``save_pretrained(model, path)`` (``model.save_pretrained(path)``) writes ``config.json`` and ``model.safetensors`` that
+  ``transformers.GPT2LMHeadModel.from_pretrained`` loads to the same logits.
+- ``read_pth(path)``: the book saves its model with ``torch.save(model.state_dict(), ...)`` (or a
+  dict holding it under ``"model_state_dict"``); this reads one with
+  ``torch.load(..., weights_only=True)`` (nothing is unpickled beyond tensors) into NumPy
+  arrays for ``flax_attention.load_state_dict``. It needs torch, and says so.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+from collections.abc import Mapping
+
+import jax
+import numpy as np
+from flax import nnx
+
+from flax_attention.weights import load_state_dict, state_dict
+
+__all__ = [
+    "config_from_hf",
+    "config_to_hf",
+    "load_pretrained",
+    "new_model",
+    "read_pth",
+    "save_pretrained",
+]
+
+#: Hugging Face activation names of the tanh GELU, the book's ``GELU``.
+TANH_GELU = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
+
+
+def config_from_hf(hf: Mapping) -> dict:
+    """The book's ``cfg`` from a GPT-2 ``config.json``'s contents. Options the book's model does
+    not have are a ``ValueError`` naming them (another activation, ``layer_norm_epsilon`` other
+    than the book's 1e-5, ``n_inner`` other than ``4 * n_embd``, unequal dropout rates, scaled or
+    reordered attention, cross-attention)."""
+    fixed = {
+        "activation_function": (hf.get("activation_function", "gelu_new"), TANH_GELU),
+        "layer_norm_epsilon": (hf.get("layer_norm_epsilon", 1e-5), (1e-5,)),
+        "scale_attn_weights": (hf.get("scale_attn_weights", True), (True,)),
+        "scale_attn_by_inverse_layer_idx": (
+            hf.get("scale_attn_by_inverse_layer_idx", False),
+            (False,),
+        ),
+        "reorder_and_upcast_attn": (hf.get("reorder_and_upcast_attn", False), (False,)),
+        "add_cross_attention": (hf.get("add_cross_attention", False), (False,)),
+    }
+    for name, (value, allowed) in fixed.items():
+        if value not in allowed:
+            raise ValueError(f"config {name} ({value!r}) must be one of {allowed} for GPTModel")
+    n_embd = hf.get("n_embd", 768)
+    if hf.get("n_inner") not in (None, 4 * n_embd):
+        raise ValueError(
+            f"config n_inner ({hf['n_inner']}) must be null or 4 * n_embd ({4 * n_embd})"
+        )
+    rates = {name: hf.get(name, 0.1) for name in ("resid_pdrop", "embd_pdrop", "attn_pdrop")}
+    if len(set(rates.values())) > 1:
+        raise ValueError(f"config dropout rates ({rates}) must be equal (the book's drop_rate)")
+    return {
+        "vocab_size": hf.get("vocab_size", 50257),
+        "context_length": hf.get("n_positions", 1024),
+        "emb_dim": n_embd,
+        "n_heads": hf.get("n_head", 12),
+        "n_layers": hf.get("n_layer", 12),
+        "drop_rate": rates["resid_pdrop"],
+        "qkv_bias": True,
+        "tie_word_embeddings": hf.get("tie_word_embeddings", True),
+    }
+
+
+def config_to_hf(cfg: Mapping) -> dict:
+    """A GPT-2 ``config.json``'s contents for the book's ``cfg``."""
+    out = {
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": cfg["vocab_size"],
+        "n_positions": cfg["context_length"],
+        "n_embd": cfg["emb_dim"],
+        "n_layer": cfg["n_layers"],
+        "n_head": cfg["n_heads"],
+        "n_inner": None,
+        "activation_function": "gelu_new",
+        "resid_pdrop": cfg["drop_rate"],
+        "embd_pdrop": cfg["drop_rate"],
+        "attn_pdrop": cfg["drop_rate"],
+        "layer_norm_epsilon": 1e-5,
+        "initializer_range": 0.02,
+        "scale_attn_weights": True,
+        "use_cache": True,
+        "tie_word_embeddings": cfg.get("tie_word_embeddings", False),
+    }
+    if cfg["vocab_size"] > 50256:  # GPT-2's <|endoftext|>
+        out["bos_token_id"] = out["eos_token_id"] = 50256
+    return out
+
+
+def new_model(cls, cfg, *, seed: int = 0, **options):
+    """A ``cls`` (``GPTModel``) whose parameters are abstract (shapes only, nothing drawn) and whose other
+    state (dropout RNG streams) is concrete: what a checkpoint is loaded into. A strict load
+    then leaves nothing abstract."""
+
+    def make():
+        return cls(cfg, rngs=nnx.Rngs(seed), **options)
+
+    model = nnx.eval_shape(make)
+    # Only the RNG state comes out of this jit, so XLA drops every parameter's initialiser.
+    rest = jax.jit(lambda: nnx.state(make(), nnx.Not(nnx.Param)))()
+    nnx.update(model, rest)
+    return model
+
+
+class _SafetensorsFiles(Mapping):
+    """The tensors of one or more open safetensors files, read when asked for."""
+
+    def __init__(self, handles: dict[str, object]):
+        self._where = {key: h for h in handles.values() for key in h.keys()}  # noqa: SIM118
+
+    def __getitem__(self, key):
+        return self._where[key].get_tensor(key)
+
+    def __iter__(self):
+        return iter(self._where)
+
+    def __len__(self):
+        return len(self._where)
+
+
+def _weight_files(directory: pathlib.Path) -> list[pathlib.Path]:
+    single = directory / "model.safetensors"
+    index = directory / "model.safetensors.index.json"
+    if single.is_file():
+        return [single]
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as error:
+            raise ValueError(
+                f"checkpoint index ({str(index)!r}) must be JSON with a weight_map ({error})"
+            ) from error
+        files = [directory / name for name in sorted(set(weight_map.values()))]
+        for file in files:
+            if not file.is_file():
+                raise ValueError(
+                    f"checkpoint ({str(directory)!r}) must hold {file.name}, a shard named by "
+                    "model.safetensors.index.json"
+                )
+        return files
+    raise ValueError(
+        f"checkpoint ({str(directory)!r}) must hold model.safetensors or "
+        "model.safetensors.index.json (as save_pretrained writes them)"
+    )
+
+
+def load_pretrained(cls, path: str | os.PathLike, *, seed: int = 0, **options):
+    """A ``cls`` (``GPTModel``, in eval mode) from a Hugging Face GPT-2 checkpoint directory.
+
+    ``options``: ``GPTModel``'s keyword options (``dtype``, ``param_dtype``, ``precision``,
+    ``implementation``); ``seed`` seeds the dropout streams. Every tensor is checked by name,
+    shape and dtype (``layout="gpt2"``, both ``transformer.h.{i}.`` and the hub's ``h.{i}.``,
+    old checkpoints' ``attn.bias``/``attn.masked_bias`` buffers checked, a tied
+    ``lm_head.weight`` equal to ``wte.weight``); a missing file or a bad tensor is a
+    ``ValueError`` naming it."""
+    from safetensors import SafetensorError, safe_open
+
+    directory = pathlib.Path(path)
+    if not (directory / "config.json").is_file():
+        raise ValueError(
+            f"checkpoint ({str(directory)!r}) must hold config.json (as save_pretrained writes it)"
+        )
+    try:
+        hf = json.loads((directory / "config.json").read_text())
+    except ValueError as error:
+        raise ValueError(f"config.json in {str(directory)!r} must be JSON ({error})") from error
+    cfg = config_from_hf(hf)
+    files = _weight_files(directory)
+    model = new_model(cls, cfg, seed=seed, **options)
+    handles = {}
+    try:
+        for file in files:
+            handles[file.name] = safe_open(file, framework="numpy").__enter__()
+        load_state_dict(model, _SafetensorsFiles(handles), layout="gpt2")
+    except SafetensorError as error:
+        raise ValueError(f"checkpoint ({str(directory)!r}): unreadable file ({error})") from error
+    except ValueError as error:
+        raise ValueError(f"checkpoint ({str(directory)!r}): {error}") from error
+    finally:
+        for handle in handles.values():
+            handle.__exit__(None, None, None)
+    model.eval()
+    return model
+
+
+def save_pretrained(model, path: str | os.PathLike) -> None:
+    """Write ``config.json`` and ``model.safetensors`` (Hugging Face's names, ``transformer.``
+    prefixed; a tied head's ``lm_head.weight`` left out, as transformers writes it)."""
+    from safetensors.numpy import save_file
+
+    directory = pathlib.Path(path)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = state_dict(model, layout="gpt2")
+    if model.cfg["tie_word_embeddings"]:
+        tensors.pop("lm_head.weight")
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    (directory / "config.json").write_text(json.dumps(config_to_hf(model.cfg), indent=2) + "\n")
+
+
+def read_pth(path: str | os.PathLike) -> dict[str, np.ndarray]:
+    """The book's torch checkpoint (``torch.save(model.state_dict(), path)``, or a dict with
+    ``"model_state_dict"`` as chapter 5 saves model and optimizer) as NumPy arrays, for
+    ``flax_attention.load_state_dict(model, read_pth(path))``. Reads with
+    ``torch.load(path, map_location="cpu", weights_only=True)``: tensors only, no code."""
+    try:
+        import torch
+    except ImportError as error:
+        raise ImportError(
+            "read_pth needs torch to read a .pth file: pip install torch (the CPU build: "
+            "pip install torch --index-url https://download.pytorch.org/whl/cpu)"
+        ) from error
+    loaded = torch.load(os.fspath(path), map_location="cpu", weights_only=True)
+    if isinstance(loaded, Mapping) and "model_state_dict" in loaded:
+        loaded = loaded["model_state_dict"]
+    if not isinstance(loaded, Mapping):
+        raise ValueError(
+            f"path ({os.fspath(path)!r}) must hold a state dict (str -> tensor), "
+            f"got {type(loaded).__name__}"
+        )
+
+    def numpy(tensor):
+        tensor = tensor.detach().cpu()
+        if tensor.dtype == torch.bfloat16:  # NumPy has no bfloat16: through its bits
+            import ml_dtypes
+
+            return tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+        return tensor.numpy()
+
+    return {key: numpy(value) for key, value in loaded.items()}

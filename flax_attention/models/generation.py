@@ -1,0 +1,311 @@
+"""The book's generation (chapters 4 and 5) for ``GPTModel``, compiled once per shape.
+
+``generate_text_simple(model, idx, max_new_tokens, context_size)`` and ``generate(model, idx,
+max_new_tokens, context_size, temperature=0.0, top_k=None, eos_id=None)`` keep the book's
+semantics:
+
+- the result is the prompt followed by the new tokens, ``(b, t + n)``;
+- ``top_k`` keeps the ``top_k`` largest logits (the others become ``-inf``) before the
+  temperature divides them; temperature 0 is greedy (argmax);
+- ``eos_id``: generation stops when the next token is ``eos_id``, which is not appended;
+- each step reads the last ``context_size`` tokens: once the sequence outgrows
+  ``context_size``, the window is cropped to its last ``context_size`` tokens and run again
+  (positions 0 to ``context_size - 1``), exactly as the book's loop.
+
+How: while the whole sequence fits in ``context_size`` the window is the whole sequence, so one
+jit prefills the attention layers' decode caches with the prompt and then decodes one token per
+step in a ``lax.while_loop`` (the parameters are loop constants, only the caches travel); the
+steps after the sequence outgrows ``context_size`` run the cropped window through the model in
+the same jit, as the book does. Randomness comes from an explicit ``key`` (``jax.random.key``;
+step ``i`` draws with ``fold_in(key, i)``), so a key gives the same tokens every time. The
+book's ``torch.multinomial`` draws from the same distribution, not the same numbers.
+
+Batches: ``idx`` ``(b, t)``. Prompts of unequal length are left-padded to one length with an
+``attention_mask`` ``(b, t)`` (1 for a token, 0 for padding), as transformers' ``generate``
+takes them: each row's positions count from its first token and no token attends to padding,
+so each row's tokens are the ones it would get alone.
+
+Generation runs in eval mode (dropout off, as the book's ``generate_and_print_sample`` calls
+``model.eval()``) and puts the model's mode back afterwards; the decode caches it uses are
+dropped at the end.
+"""
+
+from __future__ import annotations
+
+import functools
+import numbers
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from flax_attention.models.gpt import GPTModel
+
+__all__ = ["generate", "generate_text_simple"]
+
+
+def generate_text_simple(model: GPTModel, idx, max_new_tokens: int, context_size: int):
+    """The book's chapter 4 loop: ``max_new_tokens`` greedy tokens appended to ``idx``
+    ``(b, t)``; returns ``(b, t + max_new_tokens)``. ``generate`` with temperature 0."""
+    return generate(model, idx, max_new_tokens, context_size)
+
+
+def generate(
+    model: GPTModel,
+    idx,
+    max_new_tokens: int,
+    context_size: int,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    eos_id: int | None = None,
+    *,
+    key: jax.Array | None = None,
+    attention_mask=None,
+) -> jax.Array:
+    """The book's chapter 5 ``generate`` (module docstring), in one jit.
+
+    Args:
+      model: a ``GPTModel``.
+      idx: token ids ``(b, t)``, integers below ``vocab_size`` (rows of unequal length need
+        left padding and ``attention_mask``).
+      max_new_tokens: tokens to append (at most; ``eos_id`` may stop earlier).
+      context_size: tokens each step reads, at most the model's ``context_length``.
+      temperature: 0 (greedy) or > 0 (sample from ``softmax(logits / temperature)``).
+      top_k: ``None`` or keep the ``top_k`` largest logits (1 to ``vocab_size``).
+      eos_id: ``None`` or a token id that stops generation (a batch of one row, as the book's
+        ``idx_next == eos_id`` test).
+      key: a ``jax.random.key``, required when sampling.
+      attention_mask: ``(b, t)`` 0/1, each row zeros (padding) then ones (its tokens).
+
+    Returns:
+      ``(b, t + n)`` int32: ``idx`` then the ``n <= max_new_tokens`` new tokens.
+    """
+    if not isinstance(model, GPTModel):
+        raise TypeError(f"model ({type(model).__name__}) must be a GPTModel")
+    cfg = model.cfg
+    ids = _check_idx(idx, cfg["vocab_size"], attention_mask is not None)
+    batch, tokens = ids.shape
+    _check_count("max_new_tokens", max_new_tokens, minimum=0)
+    _check_count("context_size", context_size, minimum=1)
+    if context_size > cfg["context_length"]:
+        raise ValueError(
+            f"context_size ({context_size}) must not exceed the model's context_length "
+            f"({cfg['context_length']})"
+        )
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
+        raise TypeError(f"temperature ({temperature!r}) must be a float >= 0")
+    if not temperature >= 0:
+        raise ValueError(f"temperature ({temperature}) must be >= 0 (0: greedy)")
+    if top_k is not None:
+        _check_count("top_k", top_k, minimum=1)
+        if top_k > cfg["vocab_size"]:
+            raise ValueError(f"top_k ({top_k}) must be in 1..vocab_size ({cfg['vocab_size']})")
+    if eos_id is not None:
+        _check_count("eos_id", eos_id, minimum=0)
+        if eos_id >= cfg["vocab_size"]:
+            raise ValueError(f"eos_id ({eos_id}) must be below vocab_size ({cfg['vocab_size']})")
+        if batch != 1:
+            raise ValueError(
+                f"eos_id ({eos_id}) needs a batch of one row (idx has {batch}): the book stops "
+                "the whole sequence when the next token is eos_id"
+            )
+    greedy = temperature == 0
+    if not greedy and key is None:
+        raise ValueError("key (None) must be a jax.random.key when sampling (temperature > 0)")
+    key = jax.random.key(0) if key is None else key
+    mask = None if attention_mask is None else _check_mask(attention_mask, ids.shape)
+    if max_new_tokens == 0:
+        return jnp.asarray(ids)
+
+    # Steps whose window is the whole sequence (tokens + step <= context_size) use the cache.
+    cached_steps = min(max_new_tokens, max(0, context_size - tokens + 1))
+    cache_length = tokens + cached_steps - 1
+    dropouts = [node for _, node in nnx.iter_graph(model) if isinstance(node, nnx.Dropout)]
+    modes = [dropout.deterministic for dropout in dropouts]
+    model.eval()
+    try:
+        if cached_steps:
+            model.init_cache(batch, cache_length)
+        graphdef, params, state = nnx.split(model, nnx.Param, ...)
+        # What comes back from a jit is committed; commit what goes in alike, so the next call
+        # with the same shapes does not compile again.
+        state = jax.tree.map(
+            lambda x: jax.device_put(x, x.sharding) if isinstance(x, jax.Array) else x, state
+        )
+        out, length = _generate(
+            graphdef,
+            params,
+            state,
+            jnp.asarray(ids),
+            None if mask is None else jnp.asarray(mask),
+            key,
+            jnp.float32(1.0 if greedy else temperature),
+            max_new_tokens=max_new_tokens,
+            cached_steps=cached_steps,
+            context_size=context_size,
+            greedy=greedy,
+            top_k=top_k,
+            eos_id=eos_id,
+        )
+    finally:
+        model.clear_cache()
+        for dropout, deterministic in zip(dropouts, modes):
+            dropout.deterministic = deterministic
+    return out[:, : int(length)]
+
+
+def _check_count(name, value, *, minimum):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} ({value!r}) must be an int")
+    if value < minimum:
+        raise ValueError(f"{name} ({value}) must be >= {minimum}")
+
+
+def _check_idx(idx, vocab_size: int, padded: bool) -> np.ndarray:
+    if isinstance(idx, (list, tuple)) and idx and all(isinstance(r, (list, tuple)) for r in idx):
+        lengths = sorted({len(row) for row in idx})
+        if len(lengths) > 1:
+            raise ValueError(
+                f"idx rows have lengths {lengths}: prompts of unequal length must be left-padded "
+                "to one length with an attention_mask (1 for tokens, 0 for padding)"
+            )
+    ids = np.asarray(idx)
+    if ids.ndim != 2 or ids.shape[1] == 0:
+        raise ValueError(f"idx.ndim ({ids.ndim}, shape {ids.shape}) must be 2 (batch, tokens > 0)")
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise TypeError(f"idx (dtype {ids.dtype}) must hold integer token ids")
+    if ids.min() < 0 or ids.max() >= vocab_size:
+        raise ValueError(
+            f"idx (ids {ids.min()}..{ids.max()}) must lie in 0..{vocab_size - 1} (vocab_size)"
+        )
+    return ids.astype(np.int32)
+
+
+def _check_mask(attention_mask, shape) -> np.ndarray:
+    mask = np.asarray(attention_mask)
+    if mask.shape != shape:
+        raise ValueError(f"attention_mask.shape ({mask.shape}) must equal idx.shape ({shape})")
+    if mask.dtype != bool and not np.issubdtype(mask.dtype, np.number):
+        raise TypeError(f"attention_mask (dtype {mask.dtype}) must be 0/1 numbers or bools")
+    if not np.all((mask == 0) | (mask == 1)):
+        values = sorted({v.item() for v in np.unique(mask)})[:5]
+        raise ValueError(f"attention_mask (values {values}) must hold only 0 and 1")
+    mask = mask.astype(np.int32)
+    bad = np.flatnonzero(np.any(np.diff(mask, axis=1) < 0, axis=1))
+    if bad.size:
+        raise ValueError(
+            f"attention_mask row {bad[0]} ({mask[bad[0]].tolist()}) must be left-padded: zeros "
+            "(padding) before ones (tokens)"
+        )
+    empty = np.flatnonzero(mask.sum(axis=1) == 0)
+    if empty.size:
+        raise ValueError(f"attention_mask row {empty[0]} must have at least one token (a 1)")
+    return mask
+
+
+def _next_token(logits, key, temperature, *, greedy: bool, top_k: int | None):
+    """The book's choice: ``logits`` ``(b, V)`` -> ids ``(b,)``."""
+    logits = logits.astype(jnp.float32)
+    if top_k is not None:
+        min_val = jax.lax.top_k(logits, top_k)[0][:, -1:]  # (b, 1)
+        logits = jnp.where(logits < min_val, -jnp.inf, logits)
+    if greedy:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return jax.random.categorical(key, logits / temperature, axis=-1).astype(jnp.int32)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "graphdef",
+        "max_new_tokens",
+        "cached_steps",
+        "context_size",
+        "greedy",
+        "top_k",
+        "eos_id",
+    ),
+)
+def _generate(
+    graphdef,
+    params,
+    state,
+    ids,
+    mask,
+    key,
+    temperature,
+    *,
+    max_new_tokens,
+    cached_steps,
+    context_size,
+    greedy,
+    top_k,
+    eos_id,
+):
+    """``(tokens (b, t + max_new_tokens), length)``: the first ``length`` columns are the
+    result. ``cached_steps`` steps through the decode cache, the rest on the cropped window."""
+    batch, prompt = ids.shape
+    total = prompt + max_new_tokens
+    tokens = jnp.zeros((batch, total), jnp.int32).at[:, :prompt].set(ids)  # (b, T)
+    # The mask over every token slot: the prompt's, then ones for the new tokens.
+    token_mask = (
+        None if mask is None else jnp.ones((batch, total), jnp.int32).at[:, :prompt].set(mask)
+    )
+
+    def choose(logits, step):
+        return _next_token(
+            logits, jax.random.fold_in(key, step), temperature, greedy=greedy, top_k=top_k
+        )
+
+    def append(carry, new):  # carry: (tokens, length, done)
+        tokens, length, done = carry
+        if eos_id is not None:
+            done = done | (new[0] == eos_id)
+        written = jax.lax.dynamic_update_slice(tokens, new[:, None], (0, length))
+        tokens = jnp.where(done, tokens, written)
+        return tokens, jnp.where(done, length, length + 1), done
+
+    carry = (tokens, jnp.int32(prompt), jnp.bool_(False))
+    step = jnp.int32(0)
+    if cached_steps:
+        cache_mask = None if mask is None else token_mask[:, : prompt + cached_steps - 1]
+        model = nnx.merge(graphdef, params, state)
+        hidden = model.hidden_states(ids, decode=True, attention_mask=cache_mask)  # (b, t, d)
+        carry = append(carry, choose(model.logits(hidden[:, -1]), 0))
+        state = nnx.state(model, nnx.Not(nnx.Param))
+
+        def cached(loop):
+            state, step, carry = loop
+            tokens, length, _ = carry
+            model = nnx.merge(graphdef, params, state)
+            last = jax.lax.dynamic_slice_in_dim(tokens, length - 1, 1, axis=1)  # (b, 1)
+            hidden = model.hidden_states(last, decode=True, attention_mask=cache_mask)
+            carry = append(carry, choose(model.logits(hidden[:, 0]), step))
+            return nnx.state(model, nnx.Not(nnx.Param)), step + 1, carry
+
+        _, step, carry = jax.lax.while_loop(
+            lambda loop: (loop[1] < cached_steps) & ~loop[2][2], cached, (state, jnp.int32(1), carry)
+        )
+
+    if cached_steps < max_new_tokens:
+        model = nnx.merge(graphdef, params, state)
+
+        def windowed(loop):
+            step, carry = loop
+            tokens, length, _ = carry
+            start = length - context_size
+            window = jax.lax.dynamic_slice_in_dim(tokens, start, context_size, axis=1)
+            window_mask = (
+                None
+                if token_mask is None
+                else jax.lax.dynamic_slice_in_dim(token_mask, start, context_size, axis=1)
+            )
+            hidden = model.hidden_states(window, attention_mask=window_mask)  # (b, c, d)
+            return step + 1, append(carry, choose(model.logits(hidden[:, -1]), step))
+
+        _, carry = jax.lax.while_loop(
+            lambda loop: (loop[0] < max_new_tokens) & ~loop[1][2], windowed, (step, carry)
+        )
+    tokens, length, _ = carry
+    return tokens, length

@@ -1,0 +1,426 @@
+"""The book's chapter 4 ``GPTModel`` in Flax NNX, on ``flax_attention.MultiHeadAttention``.
+
+Chapter 4 of "Build a Large Language Model (From Scratch)" (Sebastian Raschka;
+`code <https://github.com/rasbt/LLMs-from-scratch/tree/main/ch04>`_) builds GPT-2 from chapter
+3's ``MultiHeadAttention`` with four small modules, each mirrored here with the book's attribute
+names, so the book's torch ``state_dict`` loads as it is (``flax_attention.load_state_dict``):
+
+==============================  ===========================================================
+book (torch)                    here
+==============================  ===========================================================
+``LayerNorm(emb_dim)``          ``LayerNorm``: ``scale``, ``shift``, eps 1e-5, biased variance
+``GELU()``                      ``GELU``: the tanh approximation, as the book writes it
+``FeedForward(cfg)``            ``FeedForward``: ``layers`` = Linear(d, 4d), GELU, Linear(4d, d)
+``TransformerBlock(cfg)``       ``TransformerBlock``: ``att``, ``ff``, ``norm1``, ``norm2``,
+                                ``drop_resid``; pre-norm, shortcut around each half
+``GPTModel(cfg)``               ``GPTModel``: ``tok_emb``, ``pos_emb``, ``drop_emb``,
+                                ``trf_blocks``, ``final_norm``, ``out_head``
+==============================  ===========================================================
+
+``cfg`` is the book's dict (``GPT_CONFIG_124M`` and its siblings) plus one optional key,
+``tie_word_embeddings``: the head reads the token embedding (GPT-2's checkpoints, Hugging Face's
+``GPT2LMHeadModel``) instead of an ``out_head`` of its own (the book's model).
+
+Shape legend: ``b`` batch, ``t`` tokens of a call, ``d`` = ``emb_dim``, ``V`` = ``vocab_size``,
+``s`` key slots (``t``, or the decode cache's ``max_length``).
+
+Flax additions, all keyword-only so the book's calls read the same: ``rngs``, ``dtype``,
+``param_dtype``, ``precision``, ``implementation`` (the attention's); ``model(idx, decode=True)``
+continues the sequence held in the attention layers' caches (``init_cache``), and
+``attention_mask`` (``(b, s)``, 1 for a token, 0 for left padding) gives each row positions
+counted from its first token and hides the padding, as transformers does.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import numbers
+import os
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from flax_attention._init import linear_factory
+from flax_attention.axes import FROM_HEADS, TO_HEADS, LinearAxes, out_sharding_like
+from flax_attention.core import Implementation
+from flax_attention.layouts import ModelNames
+from flax_attention.models import checkpoints
+from flax_attention.multihead import MultiHeadAttention
+
+__all__ = [
+    "CONFIG_KEYS",
+    "Config",
+    "GPT_CONFIG_124M",
+    "GELU",
+    "FeedForward",
+    "GPTModel",
+    "LayerNorm",
+    "TransformerBlock",
+    "check_config",
+]
+
+#: The book's configuration of GPT-2 small (chapter 4), untied head.
+GPT_CONFIG_124M = {
+    "vocab_size": 50257,
+    "context_length": 1024,
+    "emb_dim": 768,
+    "n_heads": 12,
+    "n_layers": 12,
+    "drop_rate": 0.1,
+    "qkv_bias": False,
+}
+
+#: Every key ``cfg`` must have (the book's), and the optional one with its default.
+CONFIG_KEYS = tuple(GPT_CONFIG_124M)
+OPTIONAL_KEYS = {"tie_word_embeddings": False}
+
+#: The head's mesh axes: replicated. GPT-2's vocabulary (50257) divides over no mesh axis, and
+#: a replicated head reads its whole kernel per device, which a decode step needs anyway.
+_REPLICATED = LinearAxes(kernel=(None, None), bias=(None,))
+
+
+class Config(Mapping):
+    """The model's ``cfg``, read-only and hashable (part of the model's static structure, so
+    ``jit`` can key its compilations on it); ``dict(model.cfg)`` gives the book's dict."""
+
+    def __init__(self, cfg: Mapping):
+        self._items = dict(cfg)
+
+    def __getitem__(self, key):
+        return self._items[key]
+
+    def __iter__(self):
+        return iter(self._items)
+
+    def __len__(self):
+        return len(self._items)
+
+    def __hash__(self):
+        return hash(tuple(self._items.items()))
+
+    def __eq__(self, other):
+        return isinstance(other, Mapping) and dict(self) == dict(other)
+
+    def __repr__(self):
+        return repr(self._items)
+
+
+def check_config(cfg) -> dict:
+    """``cfg`` as a complete dict (the optional key filled in), or a ``ValueError``/``TypeError``
+    naming the first unknown, missing or ill-typed key."""
+    if not isinstance(cfg, Mapping):
+        raise TypeError(f"cfg ({type(cfg).__name__}) must be a dict with keys {CONFIG_KEYS}")
+    unknown = sorted(set(cfg) - set(CONFIG_KEYS) - set(OPTIONAL_KEYS))
+    if unknown:
+        raise ValueError(
+            f"cfg key {unknown[0]!r} must be one of {CONFIG_KEYS + tuple(OPTIONAL_KEYS)} "
+            f"(unknown keys: {unknown})"
+        )
+    missing = [key for key in CONFIG_KEYS if key not in cfg]
+    if missing:
+        raise ValueError(f"cfg must have key {missing[0]!r} (missing: {missing})")
+    cfg = {**OPTIONAL_KEYS, **cfg}
+    for key in ("vocab_size", "context_length", "emb_dim", "n_heads", "n_layers"):
+        value = cfg[key]
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            raise ValueError(f"cfg[{key!r}] ({value!r}) must be a positive int")
+    if cfg["emb_dim"] % cfg["n_heads"] != 0:
+        raise ValueError(
+            f"cfg['emb_dim'] ({cfg['emb_dim']}) must be divisible by cfg['n_heads'] "
+            f"({cfg['n_heads']})"
+        )
+    rate = cfg["drop_rate"]
+    if isinstance(rate, bool) or not isinstance(rate, numbers.Real) or not 0 <= rate < 1:
+        raise ValueError(f"cfg['drop_rate'] ({rate!r}) must be a float in [0, 1)")
+    for key in ("qkv_bias", "tie_word_embeddings"):
+        if not isinstance(cfg[key], bool):
+            raise TypeError(f"cfg[{key!r}] ({cfg[key]!r}) must be a bool")
+    return cfg
+
+
+class LayerNorm(nnx.Module):
+    """The book's ``LayerNorm``: ``scale * (x - mean) / sqrt(var + eps) + shift`` over the last
+    axis, biased variance, ``eps = 1e-5``; computed in at least float32, cast back."""
+
+    def __init__(self, emb_dim: int, *, dtype=None, param_dtype=jnp.float32):
+        self.eps = 1e-5
+        self.dtype = dtype
+        self.scale = nnx.Param(jnp.ones((emb_dim,), param_dtype))  # replicated on a mesh
+        self.shift = nnx.Param(jnp.zeros((emb_dim,), param_dtype))
+
+    def __call__(self, x):
+        dtype = self.dtype or jnp.result_type(x, self.scale[...])
+        x32 = x.astype(jnp.promote_types(dtype, jnp.float32))
+        mean = x32.mean(axis=-1, keepdims=True)  # (..., 1)
+        var = x32.var(axis=-1, keepdims=True)  # (..., 1), unbiased=False
+        norm_x = (x32 - mean) / jnp.sqrt(var + self.eps)
+        out = self.scale[...].astype(x32.dtype) * norm_x + self.shift[...].astype(x32.dtype)
+        return out.astype(dtype)
+
+
+class GELU(nnx.Module):
+    """The book's ``GELU``: ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``."""
+
+    def __call__(self, x):
+        return 0.5 * x * (1 + jnp.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))
+
+
+class FeedForward(nnx.Module):
+    """The book's ``FeedForward``: ``layers`` = Linear(d, 4d), GELU, Linear(4d, d).
+
+    On a mesh the first Linear splits its output features over ``model`` and the second its
+    input features (as the attention's projections into and out of heads), so the MLP costs one
+    all-reduce."""
+
+    def __init__(self, cfg, *, dtype=None, param_dtype=jnp.float32, precision=None, rngs):
+        linear = linear_factory(
+            dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs
+        )
+        d = cfg["emb_dim"]
+        self.layers = nnx.List(
+            [linear(d, 4 * d, axes=TO_HEADS), GELU(), linear(4 * d, d, axes=FROM_HEADS)]
+        )
+
+    def model_axis_sizes(self) -> dict[str, int]:
+        """What ``flax_attention.shard`` splits over ``model``: the hidden features."""
+        return {"4 * emb_dim": self.layers[0].out_features}
+
+    def __call__(self, x):
+        hidden = self.layers[1](self.layers[0](x))  # (b, t, 4d)
+        return self.layers[2](hidden, out_sharding=out_sharding_like(x))  # (b, t, d)
+
+
+class TransformerBlock(nnx.Module):
+    """The book's ``TransformerBlock``: ``x + drop_resid(att(norm1(x)))``, then
+    ``x + drop_resid(ff(norm2(x)))``."""
+
+    def __init__(
+        self,
+        cfg,
+        *,
+        dtype=None,
+        param_dtype=jnp.float32,
+        precision=None,
+        implementation: Implementation | None = None,
+        rngs: nnx.Rngs,
+    ):
+        self.att = MultiHeadAttention(
+            d_in=cfg["emb_dim"],
+            d_out=cfg["emb_dim"],
+            context_length=cfg["context_length"],
+            num_heads=cfg["n_heads"],
+            dropout=cfg["drop_rate"],
+            qkv_bias=cfg["qkv_bias"],
+            implementation=implementation,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            precision=precision,
+            rngs=rngs,
+        )
+        self.ff = FeedForward(
+            cfg, dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs
+        )
+        self.norm1 = LayerNorm(cfg["emb_dim"], dtype=dtype, param_dtype=param_dtype)
+        self.norm2 = LayerNorm(cfg["emb_dim"], dtype=dtype, param_dtype=param_dtype)
+        self.drop_resid = nnx.Dropout(cfg["drop_rate"], rngs=rngs)
+
+    def __call__(self, x, *, decode: bool = False, mask=None):
+        shortcut = x
+        x = self.att(self.norm1(x), decode=decode, mask=mask)  # (b, t, d)
+        x = self.drop_resid(x) + shortcut
+        shortcut = x
+        x = self.ff(self.norm2(x))  # (b, t, d)
+        return self.drop_resid(x) + shortcut
+
+
+class GPTModel(nnx.Module):
+    """The book's ``GPTModel``: token ids ``in_idx`` ``(b, t)`` -> logits ``(b, t, V)``.
+
+    Args:
+      cfg: the book's dict (``vocab_size``, ``context_length``, ``emb_dim``, ``n_heads``,
+        ``n_layers``, ``drop_rate``, ``qkv_bias``) and optionally ``tie_word_embeddings``
+        (default ``False``: an ``out_head`` of its own, as the book; ``True``: the head is
+        ``tok_emb``'s matrix, as GPT-2's checkpoints). An unknown or missing key is a
+        ``ValueError`` naming it.
+      rngs: parameters and dropout (``nnx.Rngs(seed)``).
+      dtype, param_dtype, precision: as for the attention layers; every sublayer gets them.
+      implementation: the attention core's (``None``: the fastest for the call).
+
+    ``.eval()``/``.train()`` turn every dropout off and on. Checkpoints: the book's state dict
+    through ``flax_attention.load_state_dict``/``state_dict``, Hugging Face GPT-2 through
+    ``from_pretrained``/``save_pretrained`` (``flax_attention.models.checkpoints``).
+    """
+
+    def __init__(
+        self,
+        cfg,
+        *,
+        rngs: nnx.Rngs,
+        dtype=None,
+        param_dtype=jnp.float32,
+        precision=None,
+        implementation: Implementation | None = None,
+    ):
+        cfg = check_config(cfg)
+        self.cfg = Config(cfg)
+        self.precision = precision
+        embed = functools.partial(
+            nnx.Embed,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            embedding_init=nnx.initializers.normal(1.0),
+            rngs=rngs,
+        )  # torch's nn.Embedding draws from N(0, 1); replicated on a mesh
+        self.tok_emb = embed(cfg["vocab_size"], cfg["emb_dim"])
+        self.pos_emb = embed(cfg["context_length"], cfg["emb_dim"])
+        self.drop_emb = nnx.Dropout(cfg["drop_rate"], rngs=rngs)
+        self.trf_blocks = nnx.List(
+            [
+                TransformerBlock(
+                    cfg,
+                    dtype=dtype,
+                    param_dtype=param_dtype,
+                    precision=precision,
+                    implementation=implementation,
+                    rngs=rngs,
+                )
+                for _ in range(cfg["n_layers"])
+            ]
+        )
+        self.final_norm = LayerNorm(cfg["emb_dim"], dtype=dtype, param_dtype=param_dtype)
+        if cfg["tie_word_embeddings"]:
+            self.out_head = nnx.data(None)
+        else:
+            linear = linear_factory(
+                dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs
+            )
+            self.out_head = linear(
+                cfg["emb_dim"], cfg["vocab_size"], use_bias=False, axes=_REPLICATED
+            )
+
+    # ---- decoding ------------------------------------------------------------------------------
+
+    def init_cache(self, batch_size: int, max_length: int | None = None, dtype=None) -> None:
+        """An empty decode cache of ``max_length`` tokens (default ``context_length``) in every
+        attention layer (``MultiHeadAttention.init_cache``)."""
+        for block in self.trf_blocks:
+            block.att.init_cache(batch_size, max_length, dtype)
+
+    def clear_cache(self) -> None:
+        """Drop the decode caches (back to the state of a new model)."""
+        for block in self.trf_blocks:
+            block.att.cached_key = block.att.cached_value = block.att.cache_index = None
+
+    # ---- the forward pass ------------------------------------------------------------------------
+
+    def hidden_states(self, in_idx, *, decode: bool = False, attention_mask=None):
+        """``in_idx`` ``(b, t)`` -> the final norm's output ``(b, t, d)`` (``__call__`` without
+        the head)."""
+        if in_idx.ndim != 2:
+            raise ValueError(f"in_idx.ndim ({in_idx.ndim}, shape {in_idx.shape}) must be 2 (b, t)")
+        seq_len = in_idx.shape[-1]
+        offset = self.trf_blocks[0].att.cache_index[...] if decode else 0
+        if attention_mask is None:
+            positions = offset + jnp.arange(seq_len)  # (t,)
+            key_mask = None
+        else:
+            positions, key_mask = self._padding(attention_mask, in_idx, offset, decode)
+        tok_embeds = self.tok_emb(in_idx)  # (b, t, d)
+        pos_embeds = self.pos_emb(positions)  # (t, d) or (b, t, d)
+        x = self.drop_emb(tok_embeds + pos_embeds)  # (b, t, d)
+        for block in self.trf_blocks:
+            x = block(x, decode=decode, mask=key_mask)  # (b, t, d)
+        return self.final_norm(x)
+
+    def _padding(self, attention_mask, in_idx, offset, decode):
+        """Positions ``(b, t)`` counted from each row's first token (transformers'
+        ``cumsum(mask) - 1``, padding at 0) and the key mask ``(b, 1, 1, s)``."""
+        batch, seq_len = in_idx.shape
+        slots = self.trf_blocks[0].att.cached_key.shape[-2] if decode else seq_len
+        if attention_mask.shape != (batch, slots):
+            where = "the cache's max_length" if decode else "in_idx's tokens"
+            raise ValueError(
+                f"attention_mask.shape ({tuple(attention_mask.shape)}) must be (batch, {where}) "
+                f"({(batch, slots)})"
+            )
+        attention_mask = jnp.asarray(attention_mask)
+        counts = jnp.cumsum(attention_mask.astype(jnp.int32), axis=-1) - 1  # (b, s)
+        index = offset + jnp.arange(seq_len)  # (t,) the new tokens' slots
+        positions = jnp.maximum(jnp.take(counts, index, axis=-1), 0)  # (b, t)
+        return positions, attention_mask.astype(bool)[:, None, None, :]
+
+    def logits(self, x):
+        """The head: ``x`` ``(..., d)`` -> ``(..., V)``; tied, it contracts ``tok_emb``'s
+        ``(V, d)`` matrix as stored."""
+        if self.out_head is None:
+            embedding = self.tok_emb.embedding[...]
+            return jnp.einsum("...d,vd->...v", x, embedding.astype(x.dtype),
+                              precision=self.precision)  # fmt: skip
+        return self.out_head(x)
+
+    def __call__(self, in_idx, *, decode: bool = False, attention_mask=None):
+        """Logits ``(b, t, V)`` of ``in_idx`` ``(b, t)`` (ints below ``vocab_size``).
+
+        ``decode=True``: the tokens continue the sequence in the caches (``init_cache`` first);
+        their positions start at the cache's index. ``attention_mask`` ``(b, s)`` (``s = t``, or
+        the cache's ``max_length`` with ``decode``): 1 for a token, 0 for left padding."""
+        return self.logits(
+            self.hidden_states(in_idx, decode=decode, attention_mask=attention_mask)
+        )
+
+    # ---- the weight bridge's names ------------------------------------------------------------
+
+    def model_axis_sizes(self) -> dict[str, int]:
+        """Nothing of the model itself splits over ``model`` (its blocks say what they split)."""
+        return {}
+
+    def peer_names(self, layout: str) -> ModelNames:
+        """How the weight bridge names this model in ``layout`` (``flax_attention.layouts``)."""
+        return gpt_model_names(self.cfg, layout)
+
+    # ---- Hugging Face checkpoints ---------------------------------------------------------------
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, *, seed: int = 0, **options) -> GPTModel:
+        """A complete model (eval mode) from a Hugging Face GPT-2 checkpoint directory
+        (``flax_attention.models.checkpoints.load_pretrained``): ``options`` are the keyword
+        options above, ``seed`` seeds the dropout streams."""
+        return checkpoints.load_pretrained(cls, path, seed=seed, **options)
+
+    def save_pretrained(self, path: str | os.PathLike) -> None:
+        """Write a checkpoint directory ``transformers.GPT2LMHeadModel.from_pretrained`` loads
+        (``flax_attention.models.checkpoints.save_pretrained``)."""
+        checkpoints.save_pretrained(self, path)
+
+
+def gpt_model_names(cfg, layout: str) -> ModelNames:
+    """``GPTModel``'s names in ``layout``: ``"documents"`` (the book's: only the tied head's
+    second name, ``out_head.weight``) or ``"gpt2"`` (Hugging Face's ``GPT2LMHeadModel``)."""
+    tied = cfg["tie_word_embeddings"]
+    if layout == "documents":
+        aliases = (("out_head.weight", "tok_emb.weight"),) if tied else ()
+        return ModelNames(aliases=aliases)
+    params = [("tok_emb.weight", "wte.weight", False), ("pos_emb.weight", "wpe.weight", False)]
+    layers = []
+    for i in range(cfg["n_layers"]):
+        own, peer = f"trf_blocks.{i}.", f"h.{i}."
+        layers.append((own + "att.", peer + "attn."))
+        for norm, ln in (("norm1", "ln_1"), ("norm2", "ln_2")):
+            params.append((f"{own}{norm}.scale", f"{peer}{ln}.weight", False))
+            params.append((f"{own}{norm}.shift", f"{peer}{ln}.bias", False))
+        for linear, conv in (("ff.layers.0", "mlp.c_fc"), ("ff.layers.2", "mlp.c_proj")):
+            # Conv1D stores (d_in, d_out): the transpose of torch's Linear weight
+            params.append((f"{own}{linear}.weight", f"{peer}{conv}.weight", True))
+            params.append((f"{own}{linear}.bias", f"{peer}{conv}.bias", False))
+    params += [("final_norm.scale", "ln_f.weight", False), ("final_norm.shift", "ln_f.bias", False)]
+    head = ("out_head.weight", "lm_head.weight", False)
+    return ModelNames(
+        params=tuple(params) + (() if tied else (head,)),
+        layers=tuple(layers),
+        aliases=(("lm_head.weight", "wte.weight"),) if tied else (),
+        base_prefixes=("transformer.", ""),
+        unprefixed=("lm_head.weight",),
+    )
