@@ -76,10 +76,19 @@ def _files(package: str, tests: bool = False):
     return [f for f in sorted((ROOT / package).rglob("*.py")) if _is_test(f) == tests]
 
 
+#: Imports of ``flax_attention`` made only when one function is called, never on import:
+#: ``flax_attention.models.read_pth`` reads the book's ``.pth`` with torch, and says what to
+#: install when torch is absent.
+AT_CALL_ONLY = {"torch": {"checkpoints.py"}}
+
+
 def test_the_layers_need_exactly_the_declared_dependencies():
-    # scipy-openblas32: the BLAS the native kernel is built against and loads at run time.
-    assert DEPENDENCIES == {"jax", "flax", "numpy", "safetensors", "scipy-openblas32"}
+    # scipy-openblas32: the BLAS the native kernel is built against and loads at run time;
+    # optax: the models' training step.
+    assert DEPENDENCIES == {"jax", "flax", "numpy", "optax", "safetensors", "scipy-openblas32"}
     imported = _imports(_files("flax_attention"))
+    for name, files in AT_CALL_ONLY.items():
+        assert imported.pop(name, set()) == files, f"{name} imported outside {files}"
     assert set(imported) <= DEPENDENCIES, f"undeclared: {set(imported) - DEPENDENCIES}"
     assert DEPENDENCIES <= set(imported)
 
@@ -113,7 +122,7 @@ def test_no_generic_top_level_package_is_installed_and_types_are_shipped():
 
 def test_importing_the_layers_loads_no_torch_matplotlib_or_tqdm():
     code = (
-        "import sys, flax_attention\n"
+        "import sys, flax_attention, flax_attention.models\n"
         "loaded = {'torch', 'matplotlib', 'tqdm'} & {m.split('.')[0] for m in sys.modules}\n"
         "assert not loaded, loaded\n"
         "print(len(flax_attention.__all__))\n"

@@ -22,6 +22,7 @@ import pathlib
 from collections.abc import Mapping
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -239,9 +240,7 @@ def read_pth(path: str | os.PathLike) -> dict[str, np.ndarray]:
     def numpy(tensor):
         tensor = tensor.detach().cpu()
         if tensor.dtype == torch.bfloat16:  # NumPy has no bfloat16: through its bits
-            import ml_dtypes
-
-            return tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+            return tensor.view(torch.int16).numpy().view(jnp.bfloat16)
         return tensor.numpy()
 
     return {key: numpy(value) for key, value in loaded.items()}
