@@ -1,13 +1,14 @@
 """Checkpoints of ``GPTModel``: Hugging Face GPT-2 directories in and out, the book's ``.pth``.
 
-- ``load_pretrained(GPTModel, path)`` (``GPTModel.from_pretrained(path)``) reads a directory as ``save_pretrained`` writes it or as the hub
-  serves it: ``config.json`` and ``model.safetensors``, or a sharded
+- ``load_pretrained(GPTModel, path)`` (``GPTModel.from_pretrained(path)``) reads a directory
+  as ``save_pretrained`` writes it or as the hub serves it: ``config.json`` and ``model.safetensors``, or a sharded
   ``model.safetensors.index.json`` with its shard files. The model is built abstractly (no
   parameter is drawn at random) and filled through the weight bridge's ``"gpt2"`` layout, one
   strict, all-or-nothing load; its RNG state is concrete, so the result jits, differentiates and
   trains like any module.
-- ``save_pretrained(model, path)`` (``model.save_pretrained(path)``) writes ``config.json`` and ``model.safetensors`` that
-  ``transformers.GPT2LMHeadModel.from_pretrained`` loads to the same logits.
+- ``save_pretrained(model, path)`` (``model.save_pretrained(path)``) writes ``config.json`` and
+  ``model.safetensors`` that ``transformers.GPT2LMHeadModel.from_pretrained`` loads to the same
+  logits.
 - ``read_pth(path)``: the book saves its model with ``torch.save(model.state_dict(), ...)`` (or a
   dict holding it under ``"model_state_dict"``); this reads one with
   ``torch.load(..., weights_only=True)`` (nothing is unpickled beyond tensors) into NumPy
@@ -107,9 +108,9 @@ def config_to_hf(cfg: Mapping) -> dict:
 
 
 def new_model(cls, cfg, *, seed: int = 0, **options):
-    """A ``cls`` (``GPTModel``) whose parameters are abstract (shapes only, nothing drawn) and whose other
-    state (dropout RNG streams) is concrete: what a checkpoint is loaded into. A strict load
-    then leaves nothing abstract."""
+    """A ``cls`` (``GPTModel``) whose parameters are abstract (shapes only, nothing drawn) and
+    whose other state (dropout RNG streams) is concrete: what a checkpoint is loaded into. A
+    strict load then leaves nothing abstract."""
 
     def make():
         return cls(cfg, rngs=nnx.Rngs(seed), **options)
@@ -228,13 +229,13 @@ def read_pth(path: str | os.PathLike) -> dict[str, np.ndarray]:
             "read_pth needs torch to read a .pth file: pip install torch (the CPU build: "
             "pip install torch --index-url https://download.pytorch.org/whl/cpu)"
         ) from error
-    loaded = torch.load(os.fspath(path), map_location="cpu", weights_only=True)
+    name = os.fspath(path)
+    loaded = torch.load(name, map_location="cpu", weights_only=True)
     if isinstance(loaded, Mapping) and "model_state_dict" in loaded:
         loaded = loaded["model_state_dict"]
     if not isinstance(loaded, Mapping):
         raise ValueError(
-            f"path ({os.fspath(path)!r}) must hold a state dict (str -> tensor), "
-            f"got {type(loaded).__name__}"
+            f"path ({name!r}) must hold a state dict (str -> tensor), got {type(loaded).__name__}"
         )
 
     def numpy(tensor):
