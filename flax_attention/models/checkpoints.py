@@ -2,10 +2,10 @@
 
 - ``load_pretrained(GPTModel, path)`` (``GPTModel.from_pretrained(path)``) reads a directory
   as ``save_pretrained`` writes it or as the hub serves it: ``config.json`` and
-  ``model.safetensors``, or a sharded ``model.safetensors.index.json`` with its shard files. The model is built abstractly (no
-  parameter is drawn at random) and filled through the weight bridge's ``"gpt2"`` layout, one
-  strict, all-or-nothing load; its RNG state is concrete, so the result jits, differentiates and
-  trains like any module.
+  ``model.safetensors``, or a sharded ``model.safetensors.index.json`` with its shard files.
+  The model is built abstractly (no parameter is drawn at random) and filled through the weight
+  bridge's ``"gpt2"`` layout, one strict, all-or-nothing load; its RNG state is concrete, so
+  the result jits, differentiates and trains like any module.
 - ``save_pretrained(model, path)`` (``model.save_pretrained(path)``) writes ``config.json`` and
   ``model.safetensors`` that ``transformers.GPT2LMHeadModel.from_pretrained`` loads to the same
   logits.
