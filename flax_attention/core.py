@@ -152,6 +152,7 @@ def _dropout_active(dropout) -> bool:
 def select_implementation(
     queries,
     keys,
+    values=None,
     *,
     need_weights=False,
     dropout=None,
@@ -165,7 +166,8 @@ def select_implementation(
       precision only and is not yet measured here);
     - CPU: from ``blocked_min_scores`` score entries per head (the tiled kernels skip the causal
       half and never materialise the scores), ``native`` where it is built and the inputs are
-      float32 or bfloat16 (``native.why_unavailable()`` says why not), else ``blocked``;
+      float32 or bfloat16 (queries, keys and, when given, values; ``native.why_unavailable()``
+      says why not), else ``blocked``;
       ``reference`` below the threshold;
     - dropout active: on the CPU the same choice when it is an ``nnx.Dropout`` (``native`` and
       ``blocked`` apply its rate inside their tiles); ``reference`` for any other dropout
@@ -186,7 +188,8 @@ def select_implementation(
         jax.default_backend() == "cpu"
         and queries.shape[-3] * _kv_length(keys, kv_layout) >= blocked_min_scores
     )
-    use_native = tiled and native.available() and _native_dtype(queries, keys)
+    operands = (queries, keys) if values is None else (queries, keys, values)
+    use_native = tiled and native.available() and _native_dtype(*operands)
     if _dropout_active(dropout) and not isinstance(dropout, nnx.Dropout):
         return "reference"
     if jax.default_backend() != "cpu":
@@ -271,7 +274,7 @@ def dot_product_attention(
         raise ValueError(f"kv_layout ({kv_layout!r}) must be one of {KV_LAYOUTS}")
     if implementation is None:
         implementation = select_implementation(
-            queries, keys, need_weights=need_weights, dropout=dropout, kv_layout=kv_layout
+            queries, keys, values, need_weights=need_weights, dropout=dropout, kv_layout=kv_layout
         )
     if implementation != "reference":
         if need_weights:

@@ -311,6 +311,19 @@ def test_none_picks_reference_for_weights_and_a_tiled_kernel_for_long_inputs():
         assert core.select_implementation(long, long, dropout=dropout) == tiled
         assert core.select_implementation(short, short) == "reference"
         assert core.select_implementation(long.astype(jnp.float16), long) == "blocked"
+        # the values count too: native takes float32/bfloat16 values only
+        assert core.select_implementation(long, long, long.astype(jnp.float16)) == "blocked"
+
+
+def test_none_runs_float32_queries_with_float16_values():
+    """The default picks what runs: float16 values are not native's (it would raise)."""
+    rng = np.random.default_rng(0)
+    q, k = (jnp.asarray(rng.standard_normal((1, 96, 2, 8)), jnp.float32) for _ in range(2))
+    v = jnp.asarray(rng.standard_normal((1, 96, 2, 8)), jnp.float16)
+    out, _ = core.dot_product_attention(q, k, v, implementation=None, need_weights=False)
+    ref, _ = core.dot_product_attention(q, k, v, implementation="reference")
+    assert out.shape == (1, 96, 2, 8)
+    assert np.abs(np.asarray(out, np.float32) - np.asarray(ref, np.float32)).max() < 1e-2
 
 
 def test_train_mode_dropout_still_works_with_the_default_implementation():
