@@ -156,6 +156,8 @@ CASES = [
     ("mask_h1s", (2,), 7, 11, 2, 16, 16, False, (2, 1, 11), 0, -1e10, 4),
     ("mask_bhts", (2,), 65, 65, 2, 16, 16, False, (2, 2, 65, 65), 0, -1e10, 16),
     ("mask_b1t1_rows", (2,), 7, 7, 2, 16, 16, False, (2, 1, 7, 1), 0, -1e10, 4),
+    # a key-broadcast mask over several key tiles (block_k=8): each tile reads it at key 0
+    ("mask_b1t1_rows_40_keys", (2,), 7, 40, 2, 16, 16, False, (2, 1, 7, 1), 0, -1e10, 4),
     ("mask_bhts_causal", (2,), 65, 65, 2, 16, 16, True, (2, 2, 65, 65), 0, -1e10, 16),
     ("mask_bhts_causal_inf", (2,), 65, 65, 2, 16, 16, True, (2, 2, 65, 65), 0, -np.inf, 16),
     ("mask_offset", (2,), 5, 16, 2, 16, 16, True, (2, 1, 5, 16), 7, -1e10, 4),
