@@ -372,12 +372,18 @@ def _check_alias(name, of, value: np.ndarray, repeated) -> str | None:
 
 
 def _assign(variable: nnx.Variable, value: np.ndarray) -> None:
-    """Replace the variable's value whole, on its current sharding. (``variable[...] = value``
-    compiles an XLA scatter per shape and fails on an abstract module made by ``nnx.eval_shape``,
-    the usual skeleton to load a checkpoint into.)"""
+    """Replace the variable's value whole, on its current sharding, committed to it only if the
+    current value was. (``variable[...] = value`` compiles an XLA scatter per shape and fails on
+    an abstract module made by ``nnx.eval_shape``, the usual skeleton to load a checkpoint
+    into. A loaded parameter committed next to uncommitted state, a fresh optimiser's moments,
+    gave a jitted training step other argument placements on its first call than on the next
+    ones, all committed, and so two compilations.)"""
     current = variable.get_value()
     if isinstance(current, jax.Array):
-        variable.set_value(jax.device_put(value, current.sharding))
+        placed = (
+            jax.device_put(value, current.sharding) if current.committed else jax.device_put(value)
+        )
+        variable.set_value(placed)
     else:  # abstract (jax.ShapeDtypeStruct)
         variable.set_value(jax.device_put(value))
 

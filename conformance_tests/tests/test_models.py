@@ -1,0 +1,481 @@
+"""``flax_attention.models`` (the book's chapter 4 ``GPTModel``, chapter 5's generation and
+training) against its torch twin, ``conformance_tests/book_gpt.py``, written from the book.
+
+One small model (vocabulary 97, 16 positions, d 32, 2 heads, 2 layers) is drawn by torch and
+loaded into Flax through the weight bridge; everything below compares numbers: logits and every
+parameter's gradient by torch name, state dicts both ways and through ``.pth`` files, greedy and
+filtered generation token for token (the cropped window included), 20 AdamW steps of chapter 5's
+loop, the evaluation helpers, an orbax checkpoint taken mid-run, dropout in train mode, and the
+errors bad inputs raise.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+import torch
+from flax import nnx
+
+import flax_attention as fa
+from conformance_tests import book_gpt
+from conformance_tests.tolerances import TOLERANCES
+from flax_attention import models
+from flax_attention.models.checkpoints import new_model
+
+#: The book's cfg keys at a size that runs in milliseconds; ``drop_rate`` 0 unless a test sets it.
+CFG = {
+    "vocab_size": 97,
+    "context_length": 16,
+    "emb_dim": 32,
+    "n_heads": 2,
+    "n_layers": 2,
+    "drop_rate": 0.0,
+    "qkv_bias": False,
+}
+
+#: Logits and gradients, float32 at highest matmul precision: the spec's forward/grad entries
+#: (``max_abs_err <= tol * max(1, max|reference|)``).
+TOL = TOLERANCES[("float32", "forward")]
+
+#: Training parity after ``STEPS`` AdamW steps, parameters and per-step losses: the spec's
+#: float32 ``train`` entry (1e-5). Measured: parameters 1.2e-6 (``trf_blocks.0.norm1.scale``;
+#: median 1.5e-7), losses 4.4e-7 of their size (1.9e-6 at about 4.6). optax.adamw, as a user
+#: writes it, computes the bias correction ``1 - 0.999**t`` in float32, 1.3e-5 off relative to
+#: torch's (``conformance_tests/optimisers.py``); at lr 4e-4 that moves a parameter by at most
+#: STEPS * 4e-4 * 1.3e-5 ~ 1e-7. With torch's correction instead the worst parameter is the same
+#: 1.2e-6 (losses 1.1e-7): what remains is float32 rounding of the gradients, which Adam's
+#: normalisation turns into steps of nearly full size where the second moment is small.
+TRAIN_TOL = TOLERANCES[("float32", "train")]
+STEPS = 20
+BATCH, TOKENS = 2, 16
+#: Chapter 5's optimiser, one object for every ``nnx.Optimizer`` here: it is part of the
+#: optimiser's static structure, so a new ``optax.adamw(...)`` would compile ``train_step`` again.
+ADAMW = optax.adamw(4e-4, weight_decay=0.1)
+#: Distinct batches of the training run, cycled as the book's epochs (5 of them in ``STEPS``).
+EPOCH = 4
+
+
+def _twin(cfg=CFG, seed=0):
+    torch.manual_seed(seed)
+    return book_gpt.GPTModel(cfg)
+
+
+def _numpy(state_dict) -> dict[str, np.ndarray]:
+    return {key: value.detach().numpy().copy() for key, value in state_dict.items()}
+
+
+def _torch(state_dict) -> dict[str, torch.Tensor]:
+    return {key: torch.from_numpy(np.array(value)) for key, value in state_dict.items()}
+
+
+def _flax(state_dict, cfg=CFG):
+    """A Flax ``GPTModel`` holding ``state_dict``: built without drawing its parameters
+    (``new_model``, what a checkpoint is loaded into), then filled by one strict load."""
+    model = new_model(models.GPTModel, cfg)
+    fa.load_state_dict(model, state_dict)
+    return model
+
+
+def _params(model) -> dict[str, np.ndarray]:
+    """Every parameter by torch name (the causal-mask buffers left out)."""
+    return {k: v for k, v in fa.state_dict(model).items() if not k.endswith(".mask")}
+
+
+def _error(got, reference) -> float:
+    """``max_abs_err / max(1, max|reference|)``: what a tolerance is compared with."""
+    got, reference = np.asarray(got, np.float64), np.asarray(reference, np.float64)
+    return float(np.abs(got - reference).max() / max(1.0, np.abs(reference).max()))
+
+
+def _dropouts_deterministic(model) -> list[bool]:
+    return [
+        node.deterministic for _, node in nnx.iter_graph(model) if isinstance(node, nnx.Dropout)
+    ]
+
+
+@pytest.fixture(scope="module")
+def weights():
+    """The twin's initial state dict (causal masks included), as NumPy."""
+    return _numpy(_twin().state_dict())
+
+
+@pytest.fixture(scope="module")
+def batches():
+    """``STEPS`` batches ``(inputs, targets)``, each ``(BATCH, TOKENS)``: ``EPOCH`` fixed random
+    ones, repeated as the book's loop repeats its loader every epoch; the targets are the inputs
+    shifted by one token, as the book's dataset makes them."""
+    data = np.random.default_rng(0).integers(0, CFG["vocab_size"], (EPOCH, BATCH, TOKENS + 1))
+    return [(row[:, :-1], row[:, 1:]) for row in data] * (STEPS // EPOCH)
+
+
+# ---- the same weights, the same numbers --------------------------------------------------------
+
+
+def test_logits_and_gradients_equal_the_torch_twin(batches):
+    cfg = {**CFG, "qkv_bias": True}  # every key of the attention layers (GPT-2's checkpoints)
+    twin = _twin(cfg)
+    model = _flax(_numpy(twin.state_dict()), cfg)
+    inputs, targets = batches[0]
+
+    loss = book_gpt.calc_loss_batch(torch.from_numpy(inputs), torch.from_numpy(targets), twin)
+    loss.backward()
+    with torch.no_grad():
+        expected = twin(torch.from_numpy(inputs)).numpy()  # (b, t, V)
+    got = np.asarray(model(inputs))
+    logits_error = _error(got, expected)
+    assert got.shape == (BATCH, TOKENS, CFG["vocab_size"])
+    assert logits_error <= TOL, f"logits: {logits_error:.2e} > {TOL}"
+
+    loss_and_grads = nnx.jit(nnx.value_and_grad(lambda m, x, y: models.calc_loss_batch(x, y, m)))
+    flax_loss, grads = loss_and_grads(model, inputs, targets)
+    np.testing.assert_allclose(float(flax_loss), loss.item(), rtol=0, atol=TOL * loss.item())
+    holder = nnx.clone(model)
+    nnx.update(holder, grads)  # the gradients in the parameters' places: torch names for both
+    flax_grads = _params(holder)
+    torch_grads = {name: p.grad.numpy() for name, p in twin.named_parameters()}
+    assert set(flax_grads) == set(torch_grads)
+    errors = {name: _error(flax_grads[name], g) for name, g in torch_grads.items()}
+    worst = max(errors, key=errors.get)
+    print(f"logits {logits_error:.2e}, worst gradient {worst} {errors[worst]:.2e}")
+    assert errors[worst] <= TOL, f"gradient of {worst}: {errors[worst]:.2e} > {TOL}"
+    # W_key.bias has no true gradient (softmax ignores a shift shared by all keys): both sides
+    # give rounding noise there, within TOL; every other gradient is a real one
+    assert all(np.abs(g).max() > 1e-3 for n, g in torch_grads.items() if "W_key.bias" not in n)
+
+
+def test_torch_to_flax_to_torch_is_bit_identical(weights):
+    model = _flax(weights)
+    exported = fa.state_dict(model)
+    assert set(exported) == set(weights)  # the book's keys, masks included (in Flax's order)
+    twin = _twin(seed=7)
+    twin.load_state_dict(_torch(exported), strict=True)
+    for key, value in twin.state_dict().items():
+        original = torch.from_numpy(weights[key])
+        assert value.dtype == original.dtype, f"{key}: {value.dtype} != {original.dtype}"
+        assert torch.equal(value, original), f"{key} changed in the round trip"
+
+
+def test_read_pth_reads_the_books_two_checkpoint_files(tmp_path, weights, batches):
+    twin = _twin()
+    optimizer = torch.optim.AdamW(twin.parameters(), lr=4e-4, weight_decay=0.1)
+    book_gpt.train_steps(twin, optimizer, [tuple(map(torch.from_numpy, batches[0]))])
+    trained = _numpy(twin.state_dict())
+    torch.save(twin.state_dict(), tmp_path / "model.pth")  # chapter 5's first form
+    torch.save(
+        {"model_state_dict": twin.state_dict(), "optimizer_state_dict": optimizer.state_dict()},
+        tmp_path / "model_and_optimizer.pth",
+    )
+    for name in ("model.pth", "model_and_optimizer.pth"):
+        read = models.read_pth(tmp_path / name)
+        assert set(read) == set(trained), name
+        for key, value in trained.items():
+            np.testing.assert_array_equal(read[key], value, err_msg=f"{name}: {key}")
+        model = _flax(weights)
+        fa.load_state_dict(model, read)
+        loaded = _params(model)
+        for key, value in loaded.items():
+            np.testing.assert_array_equal(value, trained[key], err_msg=f"{name}: {key}")
+        assert not np.array_equal(loaded["tok_emb.weight"], weights["tok_emb.weight"])
+
+
+def test_tied_head_exports_the_embedding_and_refuses_a_different_head(weights):
+    cfg = {**CFG, "tie_word_embeddings": True}
+    tied_weights = {**weights, "out_head.weight": weights["tok_emb.weight"].copy()}
+    model = _flax(tied_weights, cfg)
+    exported = fa.state_dict(model)
+    np.testing.assert_array_equal(exported["out_head.weight"], exported["tok_emb.weight"])
+    twin = _twin(seed=3)
+    twin.load_state_dict(_torch(exported), strict=True)
+    inputs = np.random.default_rng(1).integers(0, CFG["vocab_size"], (BATCH, TOKENS))
+    with torch.no_grad():
+        expected = twin(torch.from_numpy(inputs)).numpy()
+    error = _error(model(inputs), expected)
+    assert error <= TOL, f"tied logits: {error:.2e} > {TOL}"
+
+    before = _params(model)
+    other = _numpy(_twin(seed=4).state_dict())  # out_head.weight is not tok_emb.weight
+    with pytest.raises(ValueError) as caught:
+        fa.load_state_dict(model, other)
+    message = str(caught.value)
+    assert "out_head.weight" in message and "tok_emb.weight" in message, message
+    for key, value in _params(model).items():
+        np.testing.assert_array_equal(value, before[key], err_msg=f"{key} changed")
+
+
+# ---- generation ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """The twin (eval mode) and the Flax model with its weights, every Linear weight tripled: at
+    the book's initialisation a random model soon repeats two or three tokens (a weak check of
+    token equality); tripled, its logits reach about 7 and greedy decoding wanders over the
+    vocabulary (as ``test_gpt2.py`` draws its model with a larger ``initializer_range``)."""
+    twin = _twin().eval()
+    with torch.no_grad():
+        for name, parameter in twin.named_parameters():
+            if parameter.ndim == 2 and "_emb." not in name:
+                parameter.mul_(3.0)
+    return twin, _flax(_numpy(twin.state_dict()))
+
+
+def _book(fn, twin, prompt, *args, **kwargs) -> np.ndarray:
+    return fn(twin, torch.from_numpy(np.asarray(prompt, np.int64)), *args, **kwargs).numpy()
+
+
+PROMPTS = np.random.default_rng(2).integers(0, CFG["vocab_size"], (BATCH, 12))
+
+
+def test_greedy_generation_equals_the_book_as_the_window_is_cropped(pair):
+    """Prompt 5, window 8, 12 new tokens: 4 steps while the window is the whole sequence (the
+    decode cache), then 8 on the cropped window, two rows."""
+    twin, model = pair
+    prompt = PROMPTS[:, :5]
+    expected = _book(book_gpt.generate_text_simple, twin, prompt, 12, 8)
+    assert expected.shape == (BATCH, 5 + 12)
+    assert len(np.unique(expected[:, 5:])) > 5, "the twin repeats itself: a weak check"
+    np.testing.assert_array_equal(_book(book_gpt.generate, twin, prompt, 12, 8), expected)
+    np.testing.assert_array_equal(models.generate_text_simple(model, prompt, 12, 8), expected)
+    np.testing.assert_array_equal(models.generate(model, prompt, 12, 8, temperature=0.0), expected)
+
+
+def test_top_k_and_eos_id_equal_the_book_from_a_prompt_longer_than_the_window(pair):
+    twin, model = pair
+    prompt = PROMPTS[:1]  # 12 tokens, window 8; the book's top-k and eos_id lines take one row
+    full = _book(book_gpt.generate, twin, prompt, 8, 8, top_k=5)
+    assert len(set(full[0, 12:].tolist())) > 3, "the twin repeats itself: a weak check"
+    new = full[0, 12:].tolist()
+    # the last token that is new when drawn: generation must end just before it
+    stop = max(i for i, token in enumerate(new) if token not in new[:i])
+    assert stop >= 3, f"eos would stop at step {stop}: a weak check"
+    eos_id = new[stop]
+    expected = _book(book_gpt.generate, twin, prompt, 8, 8, top_k=5, eos_id=eos_id)
+    np.testing.assert_array_equal(expected, full[:, : 12 + stop])  # eos_id is not appended
+    got = np.asarray(models.generate(model, prompt, 8, 8, top_k=5, eos_id=eos_id))
+    np.testing.assert_array_equal(got, expected)
+
+
+def test_sampling_is_a_function_of_the_key_and_top_k_one_is_greedy(pair):
+    twin, model = pair
+    prompt = PROMPTS[:1, :5]
+    window = CFG["context_length"]  # the whole sequence fits: the cached loop only
+
+    def sample(seed, **options):
+        out = models.generate(model, prompt, 10, window, temperature=1.0, key=jax.random.key(seed),
+                              **options)  # fmt: skip
+        return np.asarray(out)
+
+    first, again, other = sample(0), sample(0), sample(1)
+    np.testing.assert_array_equal(first, again)
+    assert (first[0, 5:] != other[0, 5:]).any(), "another key drew the same 10 tokens"
+    assert first.shape == (1, 15) and 0 <= first.min() and first.max() < CFG["vocab_size"]
+    np.testing.assert_array_equal(first[:, :5], prompt)
+    greedy = _book(book_gpt.generate, twin, prompt, 10, window)
+    np.testing.assert_array_equal(sample(2, top_k=1), greedy)
+
+
+# ---- training as chapter 5 ----------------------------------------------------------------------
+
+
+def _flax_trainer(weights):
+    model = _flax(weights)
+    model.train()
+    return model, nnx.Optimizer(model, ADAMW, wrt=nnx.Param)
+
+
+@pytest.fixture(scope="module")
+def trained(weights, batches):
+    """``STEPS`` steps on each side from the same weights: ``(torch losses, torch parameters,
+    flax losses, flax parameters)``."""
+    twin = _twin(seed=5)
+    twin.load_state_dict(_torch(weights), strict=True)
+    optimizer = torch.optim.AdamW(twin.parameters(), lr=4e-4, weight_decay=0.1)
+    torch_batches = [(torch.from_numpy(x), torch.from_numpy(y)) for x, y in batches]
+    torch_losses = book_gpt.train_steps(twin, optimizer, torch_batches)
+    model, flax_optimizer = _flax_trainer(weights)
+    flax_losses = [float(models.train_step(model, flax_optimizer, x, y)) for x, y in batches]
+    torch_params = {name: p.detach().numpy().copy() for name, p in twin.named_parameters()}
+    return torch_losses, torch_params, flax_losses, _params(model)
+
+
+def test_adamw_training_equals_the_books_loop(trained, weights):
+    torch_losses, torch_params, flax_losses, flax_params = trained
+    assert len(flax_losses) == len(torch_losses) == STEPS
+    loss_error = max(_error(f, t) for f, t in zip(flax_losses, torch_losses))
+    errors = {name: _error(flax_params[name], value) for name, value in torch_params.items()}
+    worst = max(errors, key=errors.get)
+    print(
+        f"{STEPS} steps: worst loss {loss_error:.2e}, worst parameter {worst} {errors[worst]:.2e}"
+    )
+    assert set(flax_params) == set(torch_params)
+    assert loss_error <= TRAIN_TOL, f"losses: {loss_error:.2e} > {TRAIN_TOL}"
+    assert errors[worst] <= TRAIN_TOL, f"{worst}: {errors[worst]:.2e} > {TRAIN_TOL}"
+    first, last = np.mean(torch_losses[:EPOCH]), np.mean(torch_losses[-EPOCH:])
+    assert last < first - 0.1, f"the loss did not fall ({first:.3f} -> {last:.3f}): a weak check"
+    moved = _error(torch_params["out_head.weight"], weights["out_head.weight"])
+    assert moved > 100 * TRAIN_TOL, f"training moved the head by only {moved:.2e}"
+
+
+def test_orbax_checkpoint_mid_run_resumes_bit_for_bit(tmp_path, trained, weights, batches):
+    half = STEPS // 2
+    model, optimizer = _flax_trainer(weights)
+    for x, y in batches[:half]:
+        models.train_step(model, optimizer, x, y)
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(tmp_path / "model", nnx.state(model))
+        checkpointer.save(tmp_path / "optimizer", nnx.state(optimizer))
+        checkpointer.wait_until_finished()
+
+        fresh = _flax(_numpy(_twin(seed=1).state_dict()))  # other weights until restored
+        fresh.train()
+        fresh_optimizer = nnx.Optimizer(fresh, ADAMW, wrt=nnx.Param)
+        assert not np.array_equal(_params(fresh)["tok_emb.weight"], weights["tok_emb.weight"])
+        for target, name in ((fresh, "model"), (fresh_optimizer, "optimizer")):
+            abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, nnx.state(target))
+            nnx.update(target, checkpointer.restore(tmp_path / name, abstract))
+    for x, y in batches[half:]:
+        models.train_step(fresh, fresh_optimizer, x, y)
+    resumed, uninterrupted = _params(fresh), trained[3]
+    assert set(resumed) == set(uninterrupted)
+    for key, value in uninterrupted.items():
+        assert np.array_equal(resumed[key], value), f"{key} differs after resuming"
+
+
+def test_evaluation_equals_the_books_and_leaves_train_mode(weights, batches):
+    cfg = {**CFG, "drop_rate": 0.1}  # eval mode matters: dropout must be off while evaluating
+    twin = _twin(cfg, seed=5)
+    twin.load_state_dict(_torch(weights), strict=True)
+    model = _flax(weights, cfg)
+    model.train()
+    train_part, val_part = batches[:3], batches[3:5]
+    torch_train = [tuple(map(torch.from_numpy, b)) for b in train_part]
+    torch_val = [tuple(map(torch.from_numpy, b)) for b in val_part]
+    expected = book_gpt.evaluate_model(twin, torch_train, torch_val, eval_iter=2)
+    got = models.evaluate_model(model, train_part, val_part, eval_iter=2)
+    for name, g, e in zip(("train", "val"), got, expected):
+        assert abs(g - e) <= TOL * max(1.0, abs(e)), f"{name} loss {g} != {e}"
+    assert twin.training and _dropouts_deterministic(model) == [False] * 5  # drop_emb, 2 per block
+
+    model.eval()
+    twin.eval()
+    with torch.no_grad():
+        whole = book_gpt.calc_loss_loader(torch_train, twin)
+    assert abs(models.calc_loss_loader(train_part, model) - whole) <= TOL * max(1.0, whole)
+    assert np.isnan(models.calc_loss_loader([], model)) and np.isnan(
+        book_gpt.calc_loss_loader([], twin)
+    )
+
+
+def test_dropout_trains_with_a_finite_loss_other_than_eval_mode(weights, batches):
+    model = _flax(weights, {**CFG, "drop_rate": 0.1})
+    optimizer = nnx.Optimizer(model, ADAMW, wrt=nnx.Param)
+    inputs, targets = batches[0]
+    model.eval()
+    eval_loss = models.calc_loss_loader([(inputs, targets)], model)  # as evaluate_model runs it
+    model.train()
+    train_loss = float(models.train_step(model, optimizer, inputs, targets))
+    assert np.isfinite(train_loss) and np.isfinite(eval_loss)
+    assert abs(train_loss - eval_loss) > 1e-3, f"dropout changed nothing: {train_loss}"
+    assert _dropouts_deterministic(model) == [False] * 5
+    moved = _params(model)["out_head.weight"]
+    assert not np.array_equal(moved, weights["out_head.weight"]), "the step changed nothing"
+
+
+def test_a_load_keeps_each_parameters_placement(weights):
+    """Parameters drawn eagerly are not committed to a device; a load that committed them
+    (while a fresh optimiser's moments are not) gave ``train_step`` other argument placements
+    on its first call than on the next ones, all committed, and so a second compilation."""
+    layer = fa.MultiHeadAttention(32, 32, 16, 0.0, 2, rngs=nnx.Rngs(0))  # block 0's attention
+    device = jax.devices()[0]
+    layer.out_proj.bias[...] = jax.device_put(layer.out_proj.bias[...], device)  # committed
+
+    def placements():
+        return {k: v[...].committed for k, v in nnx.to_flat_state(nnx.state(layer, nnx.Param))}
+
+    before = placements()
+    assert sorted(before.values()) == [False, False, False, False, True]
+    fa.load_state_dict(layer, weights, prefix="trf_blocks.0.att.")
+    assert placements() == before
+    np.testing.assert_array_equal(
+        layer.W_query.kernel[...], weights["trf_blocks.0.att.W_query.weight"].T
+    )
+
+
+# ---- bad inputs ---------------------------------------------------------------------------------
+
+
+def test_bad_config_is_refused_by_name():
+    with pytest.raises(ValueError, match="cfg key 'dropout'"):
+        models.GPTModel({**CFG, "dropout": 0.1}, rngs=nnx.Rngs(0))
+    missing = {k: v for k, v in CFG.items() if k != "n_layers"}
+    with pytest.raises(ValueError, match="cfg must have key 'n_layers'"):
+        models.GPTModel(missing, rngs=nnx.Rngs(0))
+
+
+def _assert_refused_and_unchanged(model, state_dict, *named):
+    before = _params(model)
+    with pytest.raises(ValueError) as caught:
+        fa.load_state_dict(model, state_dict)
+    message = str(caught.value)
+    for text in named:
+        assert text in message, f"{text!r} not in: {message}"
+    after = _params(model)
+    assert set(after) == set(before)
+    for key, value in before.items():
+        np.testing.assert_array_equal(after[key], value, err_msg=f"{key} changed")
+
+
+def test_state_dict_of_another_size_changes_nothing(weights):
+    model = _flax(weights)
+    bigger = _numpy(_twin({**CFG, "emb_dim": 48}).state_dict())
+    _assert_refused_and_unchanged(
+        model, bigger, "tok_emb.weight: shape (97, 48) must be (97, 32)", "nothing was loaded"
+    )
+    # one wrong tensor among valid, different ones: none of them is written
+    mixed = {**_numpy(_twin(seed=1).state_dict())}
+    mixed["trf_blocks.1.ff.layers.0.weight"] = bigger["trf_blocks.1.ff.layers.0.weight"]
+    _assert_refused_and_unchanged(
+        model, mixed, "trf_blocks.1.ff.layers.0.weight: shape (192, 48) must be (128, 32)"
+    )
+
+
+def test_wrong_causal_mask_buffer_changes_nothing(weights):
+    model = _flax(weights)
+    other = _numpy(_twin(seed=1).state_dict())
+    other["trf_blocks.1.att.mask"] = np.tril(np.ones((16, 16), np.float32))  # not triu(1)
+    _assert_refused_and_unchanged(
+        model, other, "trf_blocks.1.att.mask: differs from triu(ones(16, 16), diagonal=1)"
+    )
+
+
+@pytest.mark.parametrize(
+    "idx, kwargs, error, named",
+    [
+        ([[1, 97, 3]], {}, ValueError, r"idx \(ids 1\.\.97\) must lie in 0\.\.96"),
+        ([[-1, 2, 3]], {}, ValueError, r"idx \(ids -1\.\.3\)"),
+        ([[1, 2, 3]], {"top_k": 0}, ValueError, r"top_k \(0\) must be >= 1"),
+        ([[1, 2, 3]], {"top_k": 98}, ValueError, r"top_k \(98\) must be in 1\.\.vocab_size"),
+        ([[1, 2, 3]], {"context_size": 17}, ValueError, r"context_size \(17\) must not exceed"),
+        ([[1, 2, 3]], {"temperature": 0.7}, ValueError, r"key \(None\) must be a jax\.random"),
+        ([[1, 2], [3, 4]], {"eos_id": 5}, ValueError, r"eos_id \(5\) needs a batch of one row"),
+        ([[1, 2, 3]], {"top_k": 2.0}, TypeError, r"top_k \(2\.0\) must be an int"),
+    ],
+    ids=[
+        "id_above_vocab",
+        "negative_id",
+        "top_k_0",
+        "top_k_above_vocab",
+        "context_size",
+        "no_key",
+        "eos_batch",
+        "top_k_float",
+    ],
+)
+def test_bad_generate_arguments_are_refused_by_name(pair, idx, kwargs, error, named):
+    _, model = pair
+    kwargs = {"context_size": 8, **kwargs}
+    with pytest.raises(error, match=named):
+        models.generate(model, idx, 4, **kwargs)
