@@ -5,7 +5,8 @@ The documents walk through chapter 3 ("Coding attention mechanisms") of Sebastia
 (https://github.com/rasbt/LLMs-from-scratch/tree/main/ch03) and an Annotated Transformer style
 ``MultiHeadedAttention`` (https://nlp.seas.harvard.edu/annotated-transformer/). Every class and
 function mirrors a document (named in its docstring); the only changes are clear errors for bad
-input (listed in ``docs/deviations.md``).
+input and the causal-mask functions making their mask on the scores' device (listed in
+``docs/deviations.md``).
 """
 
 from torch_reference.annotated import MultiHeadedAttention, attention, clones

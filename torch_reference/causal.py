@@ -31,7 +31,8 @@ def causal_attn_weights_renormalized(attn_scores, d_key):
     """
     attn_weights = torch.softmax(attn_scores / d_key**0.5, dim=-1)
     sequence_length = attn_scores.shape[-1]
-    mask = torch.tril(torch.ones(sequence_length, sequence_length))
+    # made on the scores' device (the documents make it on the CPU, which a CUDA input rejects)
+    mask = torch.tril(torch.ones(sequence_length, sequence_length, device=attn_scores.device))
     masked_attn_scores = attn_weights * mask
     row_sums = masked_attn_scores.sum(dim=-1, keepdim=True)
     masked_attn_weights = masked_attn_scores / row_sums
@@ -44,7 +45,9 @@ def causal_attn_weights_masked_fill(attn_scores, d_key):
     ``attn_scores`` ``(..., num_tokens, num_tokens)`` unscaled; returns the masked weights.
     """
     sequence_length = attn_scores.shape[-1]
-    mask = torch.triu(torch.ones(sequence_length, sequence_length), diagonal=1)
+    # on the scores' device, as above
+    ones = torch.ones(sequence_length, sequence_length, device=attn_scores.device)
+    mask = torch.triu(ones, diagonal=1)
     masked_attn_scores = attn_scores.masked_fill(mask.bool(), -torch.inf)
     masked_attn_weights = torch.softmax(masked_attn_scores / d_key**0.5, dim=-1)
     return masked_attn_weights

@@ -141,6 +141,15 @@ def test_causal_masking_methods_agree_on_random_scores():
     assert float(np.abs(np.asarray(fa_b) - b.numpy()).max()) <= 1e-6
 
 
+def test_causal_masking_functions_make_their_mask_on_the_scores_device():
+    # The documents make the mask with torch.ones on the CPU, which CUDA scores rejected (the
+    # report's first GPU run stopped there). The meta device fails the same way without a GPU.
+    scores = torch.empty(2, 5, 5, device="meta")
+    for function in (tr.causal_attn_weights_renormalized, tr.causal_attn_weights_masked_fill):
+        weights = function(scores, 2)
+        assert weights.device == scores.device and weights.shape == scores.shape
+
+
 def test_causal_masking_both_methods_flax():
     attn_scores = jnp.asarray(_seed123_scores().numpy())
     close(
