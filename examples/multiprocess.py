@@ -421,6 +421,7 @@ def run(out_dir) -> None:
     out.update({f"orbax[1->2] {k}": v for k, v in restored.items()})
     out.update(refusals(meshes["explicit"]))
     out["devices"] = np.array([jax.process_count(), jax.device_count()])
+    out["collectives"] = np.array(jax.config.jax_cpu_collectives_implementation)
     if jax.process_index() == 0:
         np.savez(out_dir / "run.npz", **out)
 

@@ -73,6 +73,7 @@ def two_processes(tmp_path_factory, launch_processes):
 def test_the_run_spanned_two_processes_of_two_devices(two_processes):
     table, run = two_processes
     assert run["devices"].tolist() == [2, 4]
+    assert str(run["collectives"]) == "gloo"  # jax 0.10's CPU collectives between processes
     assert list(table) == list(CASES)
 
 
@@ -248,6 +249,19 @@ def test_a_hanging_run_times_out_and_is_killed(tmp_path):
     assert time.monotonic() - start < 20
     assert result.timed_out and not result.ok
     assert all(code < 0 for code in result.returncodes), result
+
+
+def test_the_command_line_exits_with_the_failing_process_s_status(capsys):
+    """``python -m flax_attention.launch``: the failing process's own status (the others are
+    killed), 124 on a timeout, 0 when every process succeeds."""
+    fail = "import os, sys, time; sys.exit(5) if os.environ['FLAX_ATTENTION_PROCESS_ID'] == '1' "
+    fail += "else time.sleep(60)"
+    assert launcher.main(["--processes", "2", "--", sys.executable, "-c", fail]) == 5
+    assert "process 1 exited with 5; the others were killed" in capsys.readouterr().err
+    sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
+    assert launcher.main(["--processes", "2", "--timeout", "1", "--", *sleep]) == 124
+    assert "timed out after 1 s; every process was killed" in capsys.readouterr().err
+    assert launcher.main(["--processes", "2", "--", sys.executable, "-c", "pass"]) == 0
 
 
 def test_initialize_names_a_variable_that_is_not_a_number(monkeypatch):
