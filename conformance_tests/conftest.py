@@ -13,8 +13,10 @@ Hypothesis profiles for ``tests/test_fuzz.py``, chosen with ``HYPOTHESIS_PROFILE
 """
 
 import os
+import pathlib
 
 import jax
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
@@ -43,3 +45,34 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def launch_processes():
+    """``run(command, log_dir, processes=2, devices_per_process=2, timeout=300)``: ``command``
+    as JAX processes on this machine (``flax_attention.launch``: a free localhost port as
+    coordinator, each process in its own process group, all killed when one fails or the
+    timeout passes), from the repository root with its ``flax_attention`` first on the path.
+    Fails the test with every process's log unless each exited 0; returns the ``Launch``."""
+    from flax_attention.launch import launch
+
+    def run(command, log_dir, processes=2, devices_per_process=2, timeout=300):
+        env = dict(os.environ)
+        env["PYTHONPATH"] = str(ROOT)
+        env.pop("XLA_FLAGS", None)  # the device count is the launcher's
+        result = launch(
+            command, processes, devices_per_process, timeout=timeout, env=env,
+            log_dir=log_dir, cwd=ROOT,
+        )  # fmt: skip
+        if not result.ok:
+            logs = "\n".join(
+                f"--- process {i} (exit {code}) ---\n"
+                + (pathlib.Path(log_dir) / f"process_{i}.log").read_text()[-6000:]
+                for i, code in enumerate(result.returncodes)
+            )
+            pytest.fail(f"{' '.join(command)}: {result}\n{logs}")
+        return result
+
+    return run

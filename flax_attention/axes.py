@@ -22,6 +22,11 @@ Both kinds of mesh axes that ``jax.make_mesh`` makes are supported. ``Auto`` axe
 already say where each array lives) and the few contractions over a sharded ``model`` dimension
 name their result's sharding (``out_sharding_like``); the attention core runs its kernels under
 ``jax.sharding.auto_axes`` (``explicit_mesh``).
+
+Every value the package puts on devices goes through ``place(value, sharding)``: each process
+builds only the slices of its own devices (``jax.make_array_from_callback``), so the same calls
+work when a mesh spans several JAX processes (``jax.distributed.initialize``), where a process
+cannot address the others' devices.
 """
 
 from __future__ import annotations
@@ -47,9 +52,12 @@ __all__ = [
     "constrain",
     "expand_axes",
     "explicit_mesh",
+    "fetch",
+    "lookup_sharding",
     "mesh_axis_size",
     "out_sharding_like",
     "partition_spec",
+    "place",
     "place_like_parameters",
 ]
 
@@ -136,6 +144,16 @@ def out_sharding_like(x, last=None):
     return PartitionSpec(*spec[:-1], last)
 
 
+def lookup_sharding(ids):
+    """Under an ``Explicit`` mesh, the ``out_sharding`` of an embedding lookup ``table[ids]``
+    ``(*ids.shape, d)``: laid out like ``ids``, features whole (``jnp.take`` cannot tell on its
+    own when ``ids`` is split over ``data``); ``None`` otherwise."""
+    if explicit_mesh() is None:
+        return None
+    spec = tuple(jax.typeof(ids).sharding.spec)
+    return PartitionSpec(*spec, *(None,) * (np.ndim(ids) - len(spec) + 1))
+
+
 def constrain(x: jax.Array, axes) -> jax.Array:
     """``jax.lax.with_sharding_constraint(x, P(*axes))`` on the mesh set by ``jax.set_mesh``.
 
@@ -200,6 +218,80 @@ def check_variable(variable: nnx.Variable, mesh, name: str) -> None:
                 )
 
 
+def _is_key(value) -> bool:
+    return isinstance(value, jax.Array) and jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key)
+
+
+def _index_key(index) -> tuple:
+    """A hashable form of a ``make_array_from_callback`` index (a tuple of slices)."""
+    return tuple((i.start, i.stop, i.step) if isinstance(i, slice) else i for i in index)
+
+
+def place(value, sharding: jax.sharding.Sharding):
+    """``value`` laid out as ``sharding`` says, also where ``sharding`` spans devices this
+    process cannot address (a mesh over several JAX processes).
+
+    ``value`` may be a NumPy array, anything with ``shape``, ``dtype`` and NumPy slicing (read
+    only where this process needs it: a lazily read file tensor), or a ``jax.Array``. Host values
+    go through ``jax.make_array_from_callback``: each process materialises only the slices of
+    its own devices (each slice once, however many of its devices hold it), and every process
+    must pass the same value (the same seed, the same file). A ``jax.Array`` on this process's
+    devices moves with ``jax.device_put`` when ``sharding`` is also all this process's (one
+    process: no copy through the host), else through the host as above; one already spread over
+    processes is returned if it is laid out so, else resharded by a compiled identity. Typed PRNG
+    keys travel as their key data (``jax.random.key_data``, ``wrap_key_data``). Under ``jit``
+    (a tracer) this is ``with_sharding_constraint``.
+    """
+    if isinstance(value, jax.core.Tracer):
+        return jax.lax.with_sharding_constraint(value, sharding)
+    if _is_key(value):
+        data = place(jax.random.key_data(value), sharding)
+        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(value))
+    if isinstance(value, jax.Array):
+        if not value.is_fully_addressable:  # already spread over processes
+            if value.sharding.is_equivalent_to(sharding, value.ndim):
+                return value
+            return jax.jit(_identity, out_shardings=sharding)(value)
+        if sharding.is_fully_addressable:
+            return jax.device_put(value, sharding)
+        value = np.asarray(value)  # this process's whole copy, sliced below
+    elif not all(hasattr(value, name) for name in ("shape", "dtype", "__getitem__")):
+        value = np.asarray(value)
+    slices: dict = {}
+
+    def read(index):
+        key = _index_key(index)
+        if key not in slices:
+            slices[key] = np.asarray(value[index])
+        return slices[key]
+
+    shape = tuple(value.shape)
+    dtype = jax.dtypes.canonicalize_dtype(value.dtype)  # float64 is float32 without x64
+    return jax.make_array_from_callback(shape, sharding, read, dtype=dtype)
+
+
+def _identity(x):
+    return x
+
+
+def fetch(values) -> list[np.ndarray]:
+    """NumPy copies of ``values`` (arrays), in every process. Those spread over processes (not
+    fully addressable) are first replicated by one compiled program: a collective, which every
+    process must run with the same ``values``."""
+    values = list(values)
+    spread = [
+        i
+        for i, value in enumerate(values)
+        if isinstance(value, jax.Array) and not value.is_fully_addressable
+    ]
+    if spread:
+        shardings = [NamedSharding(values[i].sharding.mesh, PartitionSpec()) for i in spread]
+        gathered = jax.jit(_identity, out_shardings=shardings)([values[i] for i in spread])
+        for i, value in zip(spread, gathered, strict=True):
+            values[i] = value
+    return [np.asarray(value) for value in values]
+
+
 def place_like_parameters(module: nnx.Module, variables: dict[str, nnx.Variable]) -> None:
     """Put ``variables`` (new state by name, e.g. the decode cache ``init_cache`` makes) on the
     mesh ``module``'s parameters are on, as their metadata says; nothing if the parameters are
@@ -219,4 +311,4 @@ def place_like_parameters(module: nnx.Module, variables: dict[str, nnx.Variable]
         check_variable(variable, mesh, name)
     for variable in variables.values():
         sharding = NamedSharding(mesh, partition_spec(variable, mesh))
-        variable.set_value(jax.device_put(variable.get_value(), sharding))
+        variable.set_value(place(variable.get_value(), sharding))

@@ -39,7 +39,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 from flax_attention._checks import check_positive_int
-from flax_attention.axes import CACHE_HEADS, ONE_HEAD, expand_axes, place_like_parameters
+from flax_attention.axes import (
+    CACHE_HEADS,
+    ONE_HEAD,
+    expand_axes,
+    explicit_mesh,
+    place,
+    place_like_parameters,
+)
 
 __all__ = ["Decoder", "append", "generate", "new_cache", "poison_unless"]
 
@@ -147,6 +154,8 @@ def append(cached_key, cached_value, cache_index, keys, values):
     def write(cache, new):  # only the new tokens' slots; the old ones again if no fit
         axis = cache.ndim - 2
         new = jnp.swapaxes(new, -3, -2).astype(cache.dtype)  # (..., h, n, d): n tokens only
+        if explicit_mesh() is not None:  # laid out as the cache (tokens of a replicated batch)
+            new = jax.sharding.reshard(new, jax.typeof(cache).sharding.spec)
         old = jax.lax.dynamic_slice_in_dim(cache, index, num_new, axis)
         new = jnp.where(fits, new, old)
         return jax.lax.dynamic_update_slice_in_dim(cache, new, index, axis)
@@ -212,9 +221,7 @@ def generate(module, prompt, num_steps: int, next_input=_identity):
     graphdef, params, state = nnx.split(module, nnx.Param, ...)
     # What comes back from the jit is committed to its devices; commit what goes in alike (a
     # fresh cache, a fresh RNG count) so the second call does not compile again.
-    state = jax.tree.map(
-        lambda x: jax.device_put(x, x.sharding) if isinstance(x, jax.Array) else x, state
-    )
+    state = jax.tree.map(lambda x: place(x, x.sharding) if isinstance(x, jax.Array) else x, state)
     state, ys = _generate(graphdef, params, state, prompt, num_steps, next_input)
     nnx.update(module, state)
     return jnp.moveaxis(ys, 0, -2)  # (..., num_steps + 1, d_out)

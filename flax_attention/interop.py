@@ -32,6 +32,7 @@ import numpy as np
 from flax import nnx
 
 from flax_attention.annotated import MultiHeadedAttention
+from flax_attention.axes import fetch
 from flax_attention.causal import CausalAttention, MultiHeadAttentionWrapper
 from flax_attention.multihead import MultiHeadAttention
 from flax_attention.self_attention import SelfAttention_v1, SelfAttention_v2
@@ -312,8 +313,8 @@ def from_nnx(module, **options):
         )
         names = ["W_query", "W_key", "W_value", "out_proj"]
 
-    def value(variable) -> np.ndarray:
-        return np.asarray(variable[...])
+    def value(variable) -> np.ndarray:  # gathered first if spread over processes
+        return fetch([variable[...]])[0]
 
     state = {}
     for name, linear in zip(names, (module.query, module.key, module.value)):

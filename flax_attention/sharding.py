@@ -28,6 +28,12 @@ the activations and XLA propagates the rest; with ``Explicit`` axes the types ca
 ``out_proj`` names its result's sharding and the attention core runs its kernels under
 ``jax.sharding.auto_axes``. Parameters are created unplaced (``eager_sharding=False``);
 ``shard(layer, mesh)`` places them.
+
+A mesh may span several JAX processes (``jax.distributed.initialize``; ``flax_attention.launch``
+starts them on one machine). Placing goes through ``flax_attention.axes.place``, so each process
+builds only its own devices' slices; ``global_batch`` makes the global batch from each
+process's own rows (``data_slices``), and refuses a mesh that does not span every process's
+devices or whose ``data`` axis the processes do not divide.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec
 
 from flax_attention.axes import (
     DATA,
@@ -51,6 +57,7 @@ from flax_attention.axes import (
     expand_axes,
     mesh_axis_size,
     partition_spec,
+    place,
     place_like_parameters,
 )
 
@@ -66,11 +73,15 @@ __all__ = [
     "constrain",
     "expand_axes",
     "mesh_axis_size",
+    "place",
     "place_like_parameters",
     # Placing a layer.
     "check_shardable",
     "partition_spec",
     "shard",
+    # Feeding a mesh that spans processes.
+    "data_slices",
+    "global_batch",
 ]
 
 
@@ -83,6 +94,16 @@ def _check_mesh(mesh) -> None:
         raise TypeError(
             f"mesh ({type(mesh).__name__}) must be a jax.sharding.Mesh (e.g. jax.make_mesh("
             "(2, 4), ('data', 'model')))"
+        )
+
+
+def _check_spans_processes(mesh) -> None:
+    """With several JAX processes, a mesh over all their devices (each process then holds its
+    share of every split; a process without devices in the mesh could hold nothing)."""
+    if jax.process_count() > 1 and mesh.devices.size != jax.device_count():
+        raise ValueError(
+            f"mesh ({mesh.devices.size} devices, {dict(mesh.shape)}) must span every device of "
+            f"the {jax.process_count()} processes ({jax.device_count()} devices)"
         )
 
 
@@ -105,6 +126,7 @@ def _check_divisible(module, mesh) -> None:
 def check_shardable(module: nnx.Module, mesh: jax.sharding.Mesh) -> None:
     """Raise what ``shard(module, mesh)`` would raise, without moving anything."""
     _check_mesh(mesh)
+    _check_spans_processes(mesh)
     _check_divisible(module, mesh)
 
 
@@ -119,9 +141,15 @@ def shard(module: nnx.Module, mesh: jax.sharding.Mesh) -> nnx.Module:
     module docstring) with inputs sharded over ``data``. The mesh's axes may be ``Explicit``
     (``jax.make_mesh``'s default) or ``Auto``.
 
+    An abstract module (``nnx.eval_shape``) gets, for each parameter, a ``jax.ShapeDtypeStruct``
+    with its sharding: ``load_state_dict``/``load_file`` then place each tensor straight there.
+    On a mesh over several processes each process places only its own devices' slices of what
+    it holds (every process must hold the same values: the same seed, the same file).
+
     Raises ``TypeError`` for a ``mesh`` that is not a ``jax.sharding.Mesh``, and ``ValueError``
     for a size that does not divide over its mesh axis (``num_heads (6) must be divisible by the
-    mesh's model axis (4)``), before anything moves.
+    mesh's model axis (4)``) and, with several processes, for a mesh that does not span all
+    their devices, before anything moves.
     """
     check_shardable(module, mesh)
     for _, node in nnx.iter_graph(module):
@@ -129,8 +157,89 @@ def shard(module: nnx.Module, mesh: jax.sharding.Mesh) -> nnx.Module:
             continue
         sharding = NamedSharding(mesh, partition_spec(node, mesh))
         value = node.get_value()
-        if isinstance(value, jax.core.Tracer):  # under jit: the compiled output is placed
-            node.set_value(jax.lax.with_sharding_constraint(value, sharding))
-        elif isinstance(value, (jax.Array, np.ndarray)):
-            node.set_value(jax.device_put(value, sharding))
+        if isinstance(value, jax.ShapeDtypeStruct):  # abstract: where a load will place it
+            node.set_value(jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding))
+        elif isinstance(value, (jax.Array, np.ndarray)):  # a tracer under jit: a constraint
+            node.set_value(place(value, sharding))
     return module
+
+
+def data_slices(mesh: jax.sharding.Mesh, process: int | None = None) -> tuple[int, ...]:
+    """The positions along the mesh's ``data`` axis that ``process`` (default: this one) has
+    devices at: whose batch rows it feeds. ``(0,)`` on a mesh without ``data``."""
+    process = jax.process_index() if process is None else process
+    if DATA not in mesh.axis_names:
+        return (0,) if any(d.process_index == process for d in mesh.devices.flat) else ()
+    axis = mesh.axis_names.index(DATA)
+    found = {
+        position[axis]
+        for position, device in np.ndenumerate(mesh.devices)
+        if device.process_index == process
+    }
+    return tuple(sorted(found))
+
+
+def check_data_over_processes(data: int, held: dict[int, tuple[int, ...]]) -> None:
+    """The processes along a mesh's ``data`` axis (of size ``data``) divide it: ``held`` (each
+    process's ``data_slices``) are, process by process, the same slices or disjoint ones of one
+    size, so each process feeds whole slices that no other group feeds. Else ``ValueError``:
+    ``the mesh's data axis (3) must be divisible by the processes along it (2): process 0 holds
+    data slices [0, 1], process 1 [1, 2]``."""
+    groups = sorted(set(held.values()))
+    for p, mine in held.items():
+        for q, theirs in held.items():
+            if mine != theirs and (set(mine) & set(theirs) or len(mine) != len(theirs)):
+                raise ValueError(
+                    f"the mesh's data axis ({data}) must be divisible by the processes along it "
+                    f"({len(groups)}): process {p} holds data slices {list(mine)}, process {q} "
+                    f"{list(theirs)}"
+                )
+
+
+def global_batch(local, mesh: jax.sharding.Mesh, batch_size: int | None = None) -> jax.Array:
+    """The global batch, split over the mesh's ``data`` axis, of which this process holds
+    ``local``: the rows of its own ``data`` slices (``data_slices``), in order. Every process
+    calls it with its own rows (``jax.make_array_from_process_local_data``); with one process
+    ``local`` is the whole batch. ``batch_size``: the global batch's rows, checked when given.
+
+    Raises ``ValueError`` naming the numbers for: a mesh that does not span every process's
+    devices, processes that do not divide the ``data`` axis (two processes sharing a slice),
+    a ``local`` whose rows are not this process's share (``local.shape[0] (3) must be this
+    process's share of the batch (4): batch_size 8 over the data axis (2), 1 slice(s) here``),
+    and a ``batch_size`` the ``data`` axis does not divide."""
+    _check_mesh(mesh)
+    _check_spans_processes(mesh)
+    processes = range(jax.process_count())
+    check_data_over_processes(
+        mesh_axis_size(mesh, DATA), {p: data_slices(mesh, p) for p in processes}
+    )
+    local = np.asarray(local)
+    if local.ndim == 0:
+        raise ValueError(f"local (shape {local.shape}) must have a batch axis first")
+    data = mesh_axis_size(mesh, DATA)
+    mine = len(data_slices(mesh))
+    rows = local.shape[0]
+    if batch_size is None:
+        if rows % mine != 0:
+            raise ValueError(
+                f"local.shape[0] ({rows}) must be divisible by this process's data slices "
+                f"({mine}) of the mesh's data axis ({data})"
+            )
+        batch_size = rows // mine * data
+    else:
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size ({batch_size!r}) must be a positive int")
+        if batch_size % data != 0:
+            raise ValueError(
+                f"batch_size ({batch_size}) must be divisible by the mesh's data axis ({data})"
+            )
+        share = batch_size // data * mine
+        if rows != share:
+            raise ValueError(
+                f"local.shape[0] ({rows}) must be this process's share of the batch ({share}): "
+                f"batch_size {batch_size} over the data axis ({data}), {mine} slice(s) here"
+            )
+    spec = PartitionSpec(DATA) if DATA in mesh.axis_names else PartitionSpec()
+    return jax.make_array_from_process_local_data(
+        NamedSharding(mesh, spec), local, (batch_size, *local.shape[1:])
+    )

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from flax_attention.axes import fetch, place
 from flax_attention.layouts import LAYOUTS, ROLES, Buffer, Key, Layout, ModelNames
 
 __all__ = ["IncompatibleKeys", "load_state_dict", "state_dict", "save_file", "load_file"]
@@ -248,7 +249,7 @@ def _model_targets(module, spec: Layout, names: ModelNames, entries, given) -> d
     return targets
 
 
-def _export(target: _Target, dtype) -> np.ndarray:
+def _export(target: _Target, dtype, hosted: dict) -> np.ndarray:
     if target.buffer is not None:
         return target.expected
     pieces = []
@@ -256,7 +257,7 @@ def _export(target: _Target, dtype) -> np.ndarray:
         if part.entry is None:
             pieces.append(np.zeros(part.shape, dtype))
         else:
-            value = np.asarray(part.entry.variable[...])
+            value = hosted[id(part.entry.variable)]
             pieces.append(value.T if part.entry.transpose else value)
     value = np.concatenate(pieces, axis=0) if len(pieces) > 1 else pieces[0]
     return value.T if target.transpose else value
@@ -273,19 +274,29 @@ def state_dict(
     """The torch ``state_dict`` of ``module`` in ``layout``'s names and shapes, each key
     preceded by ``prefix``. ``"documents"``: buffers included, so
     ``torch_module.load_state_dict({k: torch.from_numpy(v) ...}, strict=True)`` accepts it; the
-    other layouts load into their peer the same way (see ``flax_attention.layouts``).
+    other layouts load into their peer the same way (see ``flax_attention.layouts``). On a
+    mesh spread over processes every process must call it (the values are gathered) and gets
+    the whole dict.
     """
     spec = _layout(module, layout)
     _check_prefix(prefix)
     targets = _targets(module, spec)
     params = [t.parts[0].entry for t in targets.values() if t.buffer is None and t.parts[0].entry]
     dtype = params[0].variable.dtype if params else np.float32
+    variables = {
+        id(part.entry.variable): part.entry.variable
+        for target in targets.values()
+        for part in target.parts
+        if part.entry is not None
+    }
+    # On a mesh spread over processes every process gathers every value (one collective).
+    hosted = dict(zip(variables, fetch(v[...] for v in variables.values()), strict=True))
     out = {}
     for name, target in targets.items():
         if target.buffer is not None and not target.buffer.export:
             continue
         # a writable copy, torch.from_numpy-safe
-        out[prefix + name] = np.array(_export(target, dtype), order="C")
+        out[prefix + name] = np.array(_export(target, dtype, hosted), order="C")
     return out
 
 
@@ -331,9 +342,44 @@ def _cast(name, value: np.ndarray, variable: nnx.Variable) -> tuple[np.ndarray, 
     return cast, f"{name}: overflows {cast.dtype} (largest magnitude {largest:.3g} > {limit:.6g})"
 
 
-def _split(name, target: _Target, value: np.ndarray, updates: list) -> str | None:
-    """Append ``(variable, value)`` for each part of ``value`` to ``updates``, or return the
-    first problem (a part that overflows, nonzero where the layer has no such bias)."""
+class _Piece:
+    """One parameter's value inside a layout key's array, read only where it is sliced: the
+    variable's ``index`` maps back to the stored array (``source``, NumPy or a ``FileTensor``)
+    through the layout key's transpose, the part's rows and the part's own transpose, and the
+    slice read is cast to the variable's dtype. ``flax_attention.axes.place`` slices it once
+    per device slice this process holds, so a process of a mesh spread over several reads (a
+    file's tensor: from disk) and keeps only its own devices' slices."""
+
+    def __init__(self, source, rows: slice, transpose_key: bool, transpose_part: bool, variable):
+        self.source, self.rows = source, rows
+        self.transpose_key, self.transpose_part = transpose_key, transpose_part
+        self.shape, self.dtype = tuple(variable.shape), np.dtype(variable.dtype)
+
+    def __getitem__(self, index) -> np.ndarray:
+        index = index if isinstance(index, tuple) else (index,)
+        index = index + (slice(None),) * (len(self.shape) - len(index))
+        if self.transpose_part:
+            index = index[::-1]
+        if index:  # the part's rows of the (transposed) key
+            start, stop, step = index[0].indices(self.rows.stop - self.rows.start)
+            index = (slice(self.rows.start + start, self.rows.start + stop, step), *index[1:])
+        if self.transpose_key:
+            index = index[::-1]
+        value = np.asarray(self.source[index])
+        value = value.T if self.transpose_key else value
+        value = value.T if self.transpose_part else value
+        return value.astype(self.dtype)
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        value = self[(slice(None),) * len(self.shape)]
+        return value if dtype is None else value.astype(dtype)
+
+
+def _split(name, target: _Target, value: np.ndarray, updates: list, source=None) -> str | None:
+    """Append ``(variable, _Piece)`` for each part of ``value`` to ``updates`` (read from
+    ``source`` when placed, ``value`` itself if ``None``), or return the first problem (a part
+    that overflows, nonzero where the layer has no such bias)."""
+    source = value if source is None else source
     value = value.T if target.transpose else value
     start = 0
     pending = []
@@ -346,12 +392,15 @@ def _split(name, target: _Target, value: np.ndarray, updates: list) -> str | Non
                     f"no {part.name} (qkv_bias=False)"
                 )
         else:
-            piece, problem = _cast(
+            _, problem = _cast(
                 name, piece.T if part.entry.transpose else piece, part.entry.variable
             )
             if problem is not None:
                 return problem
-            pending.append((part.entry.variable, piece))
+            rows = slice(start, start + part.shape[0])
+            variable = part.entry.variable
+            lazy = _Piece(source, rows, target.transpose, part.entry.transpose, variable)
+            pending.append((variable, lazy))
         start += part.shape[0]
     updates += pending
     return None
@@ -371,21 +420,23 @@ def _check_alias(name, of, value: np.ndarray, repeated) -> str | None:
     return f"{name}: differs from {of} (the head is tied to the token embedding: one matrix)"
 
 
-def _assign(variable: nnx.Variable, value: np.ndarray) -> None:
-    """Replace the variable's value whole, on its current sharding, committed to it only if the
-    current value was. (``variable[...] = value`` compiles an XLA scatter per shape and fails on
-    an abstract module made by ``nnx.eval_shape``, the usual skeleton to load a checkpoint
-    into. A loaded parameter committed next to uncommitted state, a fresh optimiser's moments,
-    gave a jitted training step other argument placements on its first call than on the next
-    ones, all committed, and so two compilations.)"""
+def _assign(variable: nnx.Variable, value) -> None:
+    """Replace the variable's value whole, on its current sharding (``place``: each process of
+    a mesh spread over several reads only its own devices' slices of ``value``), committed to
+    it only if the current value was. An abstract variable (``jax.ShapeDtypeStruct``, the usual
+    skeleton to load a checkpoint into, made by ``nnx.eval_shape``) goes where its ``sharding``
+    says (``flax_attention.shard`` of the skeleton), else on this process's default device.
+    (``variable[...] = value`` compiles an XLA scatter per shape and fails on an abstract
+    module. A loaded parameter committed next to uncommitted state, a fresh optimiser's
+    moments, gave a jitted training step other argument placements on its first call than on
+    the next ones, all committed, and so two compilations.)"""
     current = variable.get_value()
-    if isinstance(current, jax.Array):
-        placed = (
-            jax.device_put(value, current.sharding) if current.committed else jax.device_put(value)
-        )
-        variable.set_value(placed)
-    else:  # abstract (jax.ShapeDtypeStruct)
-        variable.set_value(jax.device_put(value))
+    sharding = getattr(current, "sharding", None)
+    uncommitted = isinstance(current, jax.Array) and not current.committed
+    if sharding is None or uncommitted:  # this process's own default device, uncommitted
+        variable.set_value(jnp.asarray(np.asarray(value)))
+    else:
+        variable.set_value(place(value, sharding))
 
 
 def load_state_dict(
@@ -439,7 +490,7 @@ def load_state_dict(
         unexpected += [key for key in state_dict.keys() if not isinstance(key, str)]
     mismatched: list[str] = []
     problems: list[str] = []
-    updates: list[tuple[nnx.Variable, np.ndarray]] = []
+    updates: list[tuple[nnx.Variable, _Piece]] = []
     for name, target in targets.items():
         if name not in values:
             continue
@@ -454,7 +505,9 @@ def load_state_dict(
         if problem is None and target.alias:
             problem = _check_alias(full, prefix + target.alias, value, values.get(target.alias))
         elif problem is None and target.buffer is None:
-            problem = _split(full, target, value, updates)
+            # A file's tensor is read again, by slices, when placed; held values are kept.
+            source = values[name] if isinstance(values[name], FileTensor) else None
+            problem = _split(full, target, value, updates, source)
         if problem is not None:
             mismatched.append(full)
             problems.append(problem)
@@ -486,15 +539,25 @@ def save_file(
     _save(state_dict(module, layout=layout, prefix=prefix), os.fspath(path))
 
 
-class _Unreadable:
-    """A tensor the file holds but NumPy cannot represent (float8, say): ``np.asarray`` raises,
-    so ``load_state_dict`` names the key (strict) or lists it as mismatched (``strict=False``)."""
+class FileTensor:
+    """A tensor of an open safetensors file, read when asked: whole by ``np.asarray`` (the
+    checks), by slices when placed (``_Piece``). A dtype NumPy cannot represent (float8, say)
+    raises on reading, so ``load_state_dict`` names the key (strict) or lists it as mismatched
+    (``strict=False``)."""
 
-    def __init__(self, reason: str):
-        self.reason = reason
+    def __init__(self, handle, key: str):
+        self._handle, self._key = handle, key
 
-    def __array__(self, dtype=None, copy=None):
-        raise TypeError(self.reason)
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        try:
+            value = self._handle.get_tensor(self._key)
+        except (AttributeError, TypeError, ValueError) as error:  # a dtype NumPy lacks
+            found = self._handle.get_slice(self._key).get_dtype()
+            raise TypeError(f"safetensors dtype {found}: {error}") from error
+        return value if dtype is None else value.astype(dtype)
+
+    def __getitem__(self, index) -> np.ndarray:
+        return self._handle.get_slice(self._key)[index]
 
 
 def load_file(
@@ -509,26 +572,27 @@ def load_file(
     ``prefix`` picks one layer of a whole model's file). Only safetensors is read (nothing is
     unpickled). A file that cannot be read (missing, truncated, a header that is not JSON or
     claims more data than the file holds) and a strict load that finds bad keys raise
-    ``ValueError`` naming the file (and the keys); ``module`` is then untouched."""
+    ``ValueError`` naming the file (and the keys); ``module`` is then untouched.
+
+    Tensors are read one at a time to be checked, then, once all pass, again by the slices that
+    this process's devices hold (``get_slice``): loading into a module placed on a mesh spread
+    over processes holds only each process's own slices."""
     from safetensors import SafetensorError, safe_open
 
     spec = _layout(module, layout)  # a bad layout or prefix before the file is read
     _check_prefix(prefix)
     name = os.fspath(path)
     try:
-        tensors = {}
-        with safe_open(name, framework="numpy") as file:
-            for key in file.keys():  # noqa: SIM118 - a safe_open handle is not a mapping
-                if not key.startswith(prefix):
-                    continue  # another layer's key: not even read
-                try:
-                    tensors[key] = file.get_tensor(key)
-                except (AttributeError, TypeError, ValueError) as error:  # a dtype NumPy lacks
-                    dtype = file.get_slice(key).get_dtype()
-                    tensors[key] = _Unreadable(f"safetensors dtype {dtype}: {error}")
+        opened = safe_open(name, framework="numpy")
     except (SafetensorError, OSError, ValueError) as error:
         raise ValueError(f"path ({name!r}) must be a readable safetensors file: {error}") from error
-    try:
-        return load_state_dict(module, tensors, strict=strict, layout=spec.name, prefix=prefix)
-    except ValueError as error:
-        raise ValueError(f"load_file({name!r}): {error}") from error
+    with opened as file:
+        tensors = {
+            key: FileTensor(file, key)
+            for key in file.keys()  # noqa: SIM118 - a safe_open handle is not a mapping
+            if key.startswith(prefix)  # another layer's keys are not even read
+        }
+        try:
+            return load_state_dict(module, tensors, strict=strict, layout=spec.name, prefix=prefix)
+        except ValueError as error:
+            raise ValueError(f"load_file({name!r}): {error}") from error

@@ -27,7 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from flax_attention.weights import load_state_dict, state_dict
+from flax_attention.sharding import shard
+from flax_attention.weights import FileTensor, load_state_dict, state_dict
 
 __all__ = [
     "config_from_hf",
@@ -123,13 +124,14 @@ def new_model(cls, cfg, *, seed: int = 0, **options):
 
 
 class _SafetensorsFiles(Mapping):
-    """The tensors of one or more open safetensors files, read when asked for."""
+    """The tensors of one or more open safetensors files, read when asked for (``FileTensor``:
+    whole for the checks, then by the slices this process places)."""
 
     def __init__(self, handles: dict[str, object]):
         self._where = {key: h for h in handles.values() for key in h.keys()}  # noqa: SIM118
 
     def __getitem__(self, key):
-        return self._where[key].get_tensor(key)
+        return FileTensor(self._where[key], key)
 
     def __iter__(self):
         return iter(self._where)
@@ -164,7 +166,7 @@ def _weight_files(directory: pathlib.Path) -> list[pathlib.Path]:
     )
 
 
-def load_pretrained(cls, path: str | os.PathLike, *, seed: int = 0, **options):
+def load_pretrained(cls, path: str | os.PathLike, *, seed: int = 0, mesh=None, **options):
     """A ``cls`` (``GPTModel``, in eval mode) from a Hugging Face GPT-2 checkpoint directory.
 
     ``options``: ``GPTModel``'s keyword options (``dtype``, ``param_dtype``, ``precision``,
@@ -172,7 +174,10 @@ def load_pretrained(cls, path: str | os.PathLike, *, seed: int = 0, **options):
     shape and dtype (``layout="gpt2"``, both ``transformer.h.{i}.`` and the hub's ``h.{i}.``,
     old checkpoints' ``attn.bias``/``attn.masked_bias`` buffers checked, a tied
     ``lm_head.weight`` equal to ``wte.weight``); a missing file or a bad tensor is a
-    ``ValueError`` naming it."""
+    ``ValueError`` naming it. ``mesh``: the model is placed on it as ``flax_attention.shard``
+    places it, each tensor straight from the file to its slices (each process of a mesh over
+    several reads and holds only its own devices' slices); a size that does not divide over
+    the mesh is a ``ValueError`` before the file is read."""
     from safetensors import SafetensorError, safe_open
 
     directory = pathlib.Path(path)
@@ -187,6 +192,8 @@ def load_pretrained(cls, path: str | os.PathLike, *, seed: int = 0, **options):
     cfg = config_from_hf(hf)
     files = _weight_files(directory)
     model = new_model(cls, cfg, seed=seed, **options)
+    if mesh is not None:
+        shard(model, mesh)  # the abstract parameters learn where they go
     handles = {}
     try:
         for file in files:

@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from flax_attention.axes import place
 from flax_attention.models.gpt import GPTModel
 
 __all__ = ["generate", "generate_text_simple"]
@@ -131,7 +132,7 @@ def generate(
         # What comes back from a jit is committed; commit what goes in alike, so the next call
         # with the same shapes does not compile again.
         state = jax.tree.map(
-            lambda x: jax.device_put(x, x.sharding) if isinstance(x, jax.Array) else x, state
+            lambda x: place(x, x.sharding) if isinstance(x, jax.Array) else x, state
         )
         out, length = _generate(
             graphdef,

@@ -43,7 +43,13 @@ import jax.numpy as jnp
 from flax import nnx
 
 from flax_attention._init import linear_factory
-from flax_attention.axes import FROM_HEADS, TO_HEADS, LinearAxes, out_sharding_like
+from flax_attention.axes import (
+    FROM_HEADS,
+    TO_HEADS,
+    LinearAxes,
+    lookup_sharding,
+    out_sharding_like,
+)
 from flax_attention.core import Implementation
 from flax_attention.layouts import ModelNames
 from flax_attention.models import checkpoints
@@ -329,8 +335,9 @@ class GPTModel(nnx.Module):
             key_mask = None
         else:
             positions, key_mask = self._padding(attention_mask, in_idx, offset, decode)
-        tok_embeds = self.tok_emb(in_idx)  # (b, t, d)
-        pos_embeds = self.pos_emb(positions)  # (1, t, d) or (b, t, d)
+        # Explicit mesh axes: each lookup laid out like its ids (the batch over data).
+        tok_embeds = self.tok_emb(in_idx, out_sharding=lookup_sharding(in_idx))  # (b, t, d)
+        pos_embeds = self.pos_emb(positions, out_sharding=lookup_sharding(positions))
         x = self.drop_emb(tok_embeds + pos_embeds)  # (b, t, d)
         for block in self.trf_blocks:
             x = block(x, decode=decode, mask=key_mask)  # (b, t, d)
@@ -383,11 +390,14 @@ class GPTModel(nnx.Module):
     # ---- Hugging Face checkpoints ---------------------------------------------------------------
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike, *, seed: int = 0, **options) -> GPTModel:
+    def from_pretrained(
+        cls, path: str | os.PathLike, *, seed: int = 0, mesh=None, **options
+    ) -> GPTModel:
         """A complete model (eval mode) from a Hugging Face GPT-2 checkpoint directory
         (``flax_attention.models.checkpoints.load_pretrained``): ``options`` are the keyword
-        options above, ``seed`` seeds the dropout streams."""
-        return checkpoints.load_pretrained(cls, path, seed=seed, **options)
+        options above, ``seed`` seeds the dropout streams, ``mesh`` (a ``jax.sharding.Mesh``)
+        places it as ``flax_attention.shard`` does, reading each process's slices only."""
+        return checkpoints.load_pretrained(cls, path, seed=seed, mesh=mesh, **options)
 
     def save_pretrained(self, path: str | os.PathLike) -> None:
         """Write a checkpoint directory ``transformers.GPT2LMHeadModel.from_pretrained`` loads
