@@ -1,5 +1,6 @@
 """Speed, memory, decode and compile-time benchmarks of ``flax_attention.MultiHeadAttention``
-against the documents' eager torch module and torch's fused SDPA, with identical weights.
+against the documents' eager torch module and torch's fused SDPA, with identical weights, and of
+the whole model (``flax_attention.models``) against transformers' GPT-2.
 
 ``python -m benchmarks`` prints one table per section and the machine it ran on; ``--json PATH``
 writes the rows (``ROW_FIELDS``), ``--charts DIR`` draws each section's ratios as a PNG
@@ -14,17 +15,24 @@ configuration. Sections:
 - ``decode``: tokens/s of ``flax_attention.generate`` against a torch KV-cache loop and against
   recomputing the full causal pass per token; per-token time early vs late in the cache.
 - ``compile``: ``jax.jit(f).lower(...).compile()`` wall time of the GPT-2 small forward.
+- ``generate``: the whole model, ``flax_attention.models.generate`` on a ``GPTModel`` against
+  transformers' ``generate`` (tokens/s), the weight-streaming bound it runs against, and where
+  a decode step's time goes.
+- ``prefill``: the whole model's forward over a prompt against ``GPT2LMHeadModel``'s.
+- ``train``: ``flax_attention.models.train_step`` with optax's AdamW against
+  ``GPT2LMHeadModel`` with ``torch.optim.AdamW``.
 
-Every timed Flax module holds the torch module's ``state_dict`` (``flax_attention.load_state_dict``)
+Every timed Flax module holds the torch module's ``state_dict`` (``flax_attention.load_state_dict``;
+the whole model: ``GPTModel.from_pretrained`` of the transformers model's ``save_pretrained``)
 and its outputs are compared with torch before timing; rows record the max difference.
 """
 
 #: The keys of every JSON row (``None`` where a field does not apply to the row's section).
 ROW_FIELDS = (
-    "section",  # speed | memory | decode | compile
+    "section",  # speed | memory | decode | compile | generate | prefill | train | targets
     "case",  # e.g. "b8_t1024"
     "mode",  # forward | forward+backward | generate | recompute | steps@16 | compile ...
-    "framework",  # flax | torch
+    "framework",  # flax | torch (generate's read-bandwidth rows: numpy | jax | torch)
     "implementation",  # reference | xla | blocked | default | cudnn | eager | sdpa | kv_cache
     "resolved",  # what implementation=None ran (default rows), else the implementation
     "batch",

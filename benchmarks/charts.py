@@ -18,8 +18,11 @@ baseline; dashed, the issue's target where there is one):
 - ``decode``: tokens/s / recomputing the full pass per token (``ratio``, ``ratio_of`` "speedup
   over recompute"; target ``benchmarks.cli.DECODE_SPEEDUP_TARGET``), and ms/token late in the
   cache / early (the row's ``ratio_of``).
-- ``generate``: the Flax example's tokens/s / transformers' (``ratio_vs_eager``,
-  ``ratio_vs_sdpa``), and ms/token late / early for each of the three.
+- ``generate``: ``flax_attention.models.generate``'s tokens/s / transformers'
+  (``ratio_vs_eager``, ``ratio_vs_sdpa``), its tokens/s / the weight-streaming bound (target
+  ``MODEL_TARGETS["generate b1 / bound"]``), and ms/token late / early for each of the three.
+- ``prefill``, ``train``: Flax time / transformers' (``ratio_vs_sdpa``), one panel per mode;
+  target ``benchmarks.cli.MODEL_TARGETS``.
 
 ``compile`` (seconds, no ratio) and ``targets`` have no chart.
 """
@@ -32,7 +35,7 @@ import json
 import os
 import sys
 
-from benchmarks.cli import DECODE_SPEEDUP_TARGET, SPEED_TARGETS
+from benchmarks.cli import DECODE_SPEEDUP_TARGET, MODEL_TARGETS, SPEED_TARGETS
 
 __all__ = [
     "CHART_SECTIONS",
@@ -50,7 +53,7 @@ __all__ = [
 ]
 
 #: The sections whose rows hold ratios, in the order the CLI runs them.
-CHART_SECTIONS = ("speed", "memory", "decode", "generate")
+CHART_SECTIONS = ("speed", "memory", "decode", "generate", "prefill", "train")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,18 +188,40 @@ def chart_data(rows: list[dict], section: str) -> Chart:
                 for r in flax
             ]
             panels.append(
-                _panel(as_bars, "ratio", "new tokens/s, Flax example / transformers generate",
+                _panel(as_bars, "ratio", "new tokens/s, Flax generate / transformers generate",
                        "Flax tokens/s / transformers' (> 1: faster)",
                        "transformers", label=lambda key: f"over transformers {key}")
             )  # fmt: skip
-            for ratio_of in _unique(r["ratio_of"] for r in rows if r["ratio_of"]):
+            goal = MODEL_TARGETS["generate b1 / bound"]
+            panels.append(
+                _panel(_with(rows, "ratio", implementation="bound"), "ratio",
+                       "new tokens/s / the weight-streaming bound (b x bandwidth / weight bytes)",
+                       "fraction of the bound", "the bound", goal, f"b1 target >= {goal:g}",
+                       label=lambda key: "Flax generate")
+            )  # fmt: skip
+            for ratio_of in _unique(r["ratio_of"] for r in rows if r["unit"] == "ms/token"):
                 panels.append(
                     _panel(_with(rows, "ratio", ratio_of=ratio_of), "ratio",
                            "flatness: time per token late in the sequence / early", ratio_of,
-                           "flat", label=lambda key: {"example": "Flax example"}.get(
+                           "flat", label=lambda key: {"generate": "Flax GPTModel"}.get(
                                key, f"transformers {key}"))
                 )  # fmt: skip
-            title = "Generate: GPT-2 example vs transformers generate"
+            title = "Generate: flax_attention.models vs transformers generate"
+        case "prefill" | "train":
+            key = "prefill / transformers" if section == "prefill" else "train step / transformers"
+            goal = MODEL_TARGETS[key]
+            for mode in _unique(r["mode"] for r in rows):
+                panels.append(
+                    _panel(_with(rows, "ratio_vs_sdpa", mode=mode, framework="flax"),
+                           "ratio_vs_sdpa", mode, "Flax time / transformers' (< 1: faster)",
+                           "transformers sdpa", goal, f"target <= {goal:g}",
+                           label=lambda key: f"Flax {key}")
+                )  # fmt: skip
+            title = (
+                "Prefill: GPTModel forward / GPT2LMHeadModel's (sdpa)"
+                if section == "prefill"
+                else "Train: one optimiser step, Flax train_step / transformers + torch AdamW"
+            )
     panels = [p for p in panels if p.groups]
     if not panels:
         raise ValueError(f"rows hold no measured ratio of section ({section!r})")

@@ -15,13 +15,33 @@ from benchmarks.config import FULL, QUICK, SECTIONS, parse_shape
 from benchmarks.rows import make_row
 from conformance_tests.cli import progress_bar
 
-__all__ = ["DECODE_SPEEDUP_TARGET", "SPEED_TARGETS", "main", "parse_args", "targets"]
+__all__ = [
+    "DECODE_SPEEDUP_TARGET",
+    "MODEL_TARGETS",
+    "SPEED_TARGETS",
+    "main",
+    "parse_args",
+    "targets",
+]
 
 #: The issue's goals for the default implementation, time / torch SDPA time per pass (the
 #: ``targets`` rows and the speed chart's target lines both read them).
 SPEED_TARGETS = {"forward": 0.9, "forward+backward": 1.0}
 #: Decoding with the cache: at least this many times the tokens/s of recomputing the full pass.
 DECODE_SPEEDUP_TARGET = 5.0
+#: The whole model's goals, set by the project when flax_attention.models was benchmarked
+#: (sections generate, prefill, train): generate's tokens/s over transformers' (the faster of
+#: its eager and sdpa) at batch 1 and 8, batch 1's tokens/s as a fraction of the
+#: weight-streaming bound, and prefill's and a training step's time over transformers' (sdpa).
+MODEL_TARGETS = {
+    "generate b1 / transformers": 1.5,
+    "generate b1 / bound": 0.85,
+    "generate b8 / transformers": 2.5,
+    "prefill / transformers": 1.0,
+    "train step / transformers": 1.0,
+}
+#: How the targets rows name where each goal comes from.
+MODEL_TARGET_SOURCE = "project goal for the model"
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -88,6 +108,9 @@ def build_config(args):
             default_repeats=args.repeats,
             decode_repeats=args.repeats,
             compile_repeats=args.repeats,
+            generate_repeats=args.repeats,
+            prefill_repeats=args.repeats,
+            train_repeats=args.repeats,
         )
     if args.memory_tokens:
         changes["memory_tokens"] = _int_list(args.memory_tokens)
@@ -131,7 +154,7 @@ def _impl(row):
 
 def format_section(section: str, rows: list[dict]) -> str:
     rows = [r for r in rows if r["section"] == section]
-    if section == "generate":
+    if section in ("generate", "prefill", "train"):
         return _section_module(section).format_rows(rows, _table)
     if section == "speed":
         headers = ["case", "mode", "framework", "implementation", "median ms", "min ms", "n",
@@ -180,7 +203,7 @@ def format_section(section: str, rows: list[dict]) -> str:
              {True: "yes", False: "NO", None: "-"}[r["met"]]]
             for r in rows
         ]  # fmt: skip
-        title = "Targets of the issue (ratios from this run; not asserted by any test)"
+        title = "Targets (ratios from this run; not asserted by any test)"
     if not lines:
         return ""
     return f"{title}\n{_table(headers, lines)}\n"
@@ -235,7 +258,31 @@ def targets(rows: list[dict]) -> list[dict]:
     for row in _find(rows, section="compile", implementation="default"):
         add(f"{row['case']} default forward: compile < 1 s", row["value"], "s",
             row["value"] < 1.0, row["case"])  # fmt: skip
+    _model_targets(rows, add)
     return out
+
+
+def _model_targets(rows, add) -> None:
+    """The ``MODEL_TARGETS`` rows, through ``targets``' ``add``."""
+    source = MODEL_TARGET_SOURCE
+    for row in _find(rows, section="generate", implementation="generate", mode="generate"):
+        batch = row["batch"]
+        if batch not in (1, 8):
+            continue
+        goal = MODEL_TARGETS[f"generate b{batch} / transformers"]
+        speedup = min(row["ratio_vs_eager"], row["ratio_vs_sdpa"])
+        add(f"{row['case']} generate: >= {goal:g}x the tokens/s of transformers' faster "
+            f"attention ({source})", speedup, "x", speedup >= goal, row["case"])  # fmt: skip
+    for row in _find(rows, section="generate", implementation="bound", batch=1):
+        goal = MODEL_TARGETS["generate b1 / bound"]
+        add(f"{row['case']} generate: >= {goal:g} of the weight-streaming bound ({source})",
+            row["ratio"], "", row["ratio"] >= goal, row["case"])  # fmt: skip
+    for section in ("prefill", "train"):
+        goal = MODEL_TARGETS["prefill / transformers" if section == "prefill"
+                             else "train step / transformers"]  # fmt: skip
+        for row in _find(rows, section=section, framework="flax"):
+            add(f"{row['case']} {row['mode']}: time / transformers' <= {goal:g} ({source})",
+                row["ratio_vs_sdpa"], "", row["ratio_vs_sdpa"] <= goal, row["case"])  # fmt: skip
 
 
 # ---- main ---------------------------------------------------------------------------------------

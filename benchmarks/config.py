@@ -6,7 +6,7 @@ import dataclasses
 
 __all__ = ["Config", "FULL", "QUICK", "SECTIONS", "parse_shape"]
 
-SECTIONS = ("speed", "memory", "decode", "compile", "generate")
+SECTIONS = ("speed", "memory", "decode", "compile", "generate", "prefill", "train")
 
 
 def parse_shape(text: str) -> tuple[int, int]:
@@ -56,13 +56,26 @@ class Config:
     compile_repeats: int = 3
     #: Implementations compiled (labels as in the rows); ``None``: every one on the backend.
     compile_implementations: tuple[str, ...] | None = None
-    # generate: examples/gpt2.py against transformers generate (GPT2Config keywords for the model)
+    #: The whole model of the generate, prefill and train sections: ``transformers.GPT2Config``
+    #: keywords ({}: GPT-2 small), random weights, float32.
+    gpt_model: dict = dataclasses.field(default_factory=dict)
+    # generate: flax_attention.models.generate against transformers' generate
     generate_batches: tuple[int, ...] = (1, 8)
     generate_prompt: int = 32
     generate_steps: int = 128
     generate_repeats: int = 3
     generate_flat_steps: int = 16
-    generate_model: dict = dataclasses.field(default_factory=dict)  # {}: GPT-2 small
+    #: The array each read-bandwidth sample reduces (much bigger than any cache), and how many
+    #: times one sample reads it.
+    bandwidth_mb: int = 1024
+    bandwidth_reads: int = 4
+    bandwidth_repeats: int = 5
+    # prefill: GPTModel's forward against GPT2LMHeadModel's (sdpa), (batch, tokens)
+    prefill_shape: tuple[int, int] = (1, 1024)
+    prefill_repeats: int = 5
+    # train: flax_attention.models.train_step against GPT2LMHeadModel + torch.optim.AdamW
+    train_shape: tuple[int, int] = (8, 256)
+    train_repeats: int = 3
 
     def repeats_for(self, shape) -> int:
         return self.speed_repeats.get(tuple(shape), self.default_repeats)
@@ -89,10 +102,17 @@ QUICK = Config(
     compile_shape=(1, 64),
     compile_repeats=1,
     compile_implementations=("default",),
+    gpt_model={"n_layer": 2, "n_head": 2, "n_embd": 32, "vocab_size": 101, "n_positions": 64},
     generate_batches=(2,),
     generate_prompt=4,
     generate_steps=8,
     generate_repeats=1,
     generate_flat_steps=2,
-    generate_model={"n_layer": 2, "n_head": 2, "n_embd": 32, "vocab_size": 101, "n_positions": 64},
+    bandwidth_mb=64,
+    bandwidth_reads=1,
+    bandwidth_repeats=2,
+    prefill_shape=(1, 16),
+    prefill_repeats=1,
+    train_shape=(2, 16),
+    train_repeats=1,
 )

@@ -1,33 +1,54 @@
-"""Section ``generate``: a whole GPT-2 (``examples/gpt2.py``) against transformers' ``generate``.
+"""Section ``generate``: ``flax_attention.models.generate`` on a ``GPTModel`` against
+transformers' ``generate``, and the bound memory bandwidth sets.
 
-GPT-2 small's shape (random weights, float32; ``generate_model`` picks another size), a
+GPT-2 small's shape (random weights, float32; ``gpt_model`` picks another size), a
 ``generate_prompt``-token prompt, ``generate_steps`` new tokens, greedy, at each batch of
 ``generate_batches``:
 
-- ``flax`` ``example``: the example's one-jit generate (prefill + ``lax.scan``), compiled ahead
-  of time (``compile_s`` apart) and loaded from the transformers model's ``save_pretrained``
-  directory, so the two hold identical weights.
+- ``flax`` ``generate``: ``flax_attention.models.generate(model, prompt, steps,
+  context_size=context_length)`` (one jit: prefill, then a ``lax.while_loop`` over the cache) on
+  the ``GPTModel`` that ``GPTModel.from_pretrained`` reads from the transformers model's
+  ``save_pretrained`` directory, so the two hold identical weights. Its first call compiles
+  (``compile_s``, apart: JAX's own trace, lower and compile durations); a timed call that
+  compiled again would be an error of the benchmark, and none does.
 - ``torch`` ``eager`` / ``sdpa``: ``GPT2LMHeadModel.generate(do_sample=False, use_cache=True)``
   with that attention implementation, ``torch.no_grad()``, no end-of-text stop.
+- the weight-streaming bound: a decode step reads every weight once (``weight_bytes``: the
+  float32 parameters, the tied head's matrix once, one row of the position embedding), so at
+  batch ``b`` no step can beat ``b * bandwidth / weight_bytes`` tokens/s. The bandwidth is a
+  float32 reduction over a ``bandwidth_mb`` MB array (``gpt_models.readers``): first each reader
+  (numpy, JAX, torch) in ``bandwidth_repeats`` rounds (the ``read bandwidth`` rows), then the
+  fastest of them as a fourth callable in the generate rounds, so the bound is measured under
+  the same load as the calls it bounds. ``ratio``: Flax tokens/s over the bound (whole calls,
+  prefill included; the KV cache read on top of the weights is not counted).
 
-The three are timed round-robin (``benchmarks.timing.interleaved``); ``value`` is new tokens per
-second summed over the batch (the example's ``--json`` ``tokens_per_s``), ``ratio`` the Flax
-figure over torch's. Greedy tokens are compared before timing (equal count in the note).
+The three generate calls, the read and a Flax generate of one new token (the prefill, for the
+step part below) are timed round-robin (``benchmarks.timing.interleaved``); ``value`` is new
+tokens per second summed over the batch, ``ratio_vs_*`` the Flax figure over torch's. Greedy
+tokens are compared before timing (equal count in the note).
 
 Then, per batch: ms per token of ``generate_flat_steps`` decode steps started at the first new
-position and at the last ones (``ratio``: end over start), for Flax and both torch attentions;
-and where a Flax step's time goes: the layers alone, and the tied head against the ``(V, d)``
-embedding as stored (what the example does) and against a ``(d, V)`` copy transposed once.
+position and at the last ones (``ratio``: end over start), for Flax (the model's decode step in
+a jitted loop from a cache prefilled to that position, as long as the steps need) and both torch
+attentions (``past_key_values``); and where a Flax step's time goes (``step part`` rows, ms per
+step), each part in a jitted loop of ``generate_flat_steps`` steps, its output fed back so
+nothing is hoisted, with a cache as long as generate's (every step attends to all of it under a
+mask):
+
+- ``generate``: generate's own step, (``steps`` new tokens - 1 new token) / (``steps`` - 1)
+  from the generate rounds (``None`` where that difference is below the noise);
+- ``decode loop``: the step alone, as generate's loop makes it (``hidden_states(decode=True)``
+  of the last token, the tied head, the package's greedy choice);
+- ``layers``: the ``n_layers`` blocks and the final norm; ``head``: the tied head against the
+  ``(V, d)`` embedding; ``argmax``: the package's greedy choice over ``(b, V)`` float32 logits;
+  ``embeddings``: the token and position embeddings.
+
+Their notes say how far the whole step is from the sum of the parts (the loop's own work).
 """
 
 from __future__ import annotations
 
 import functools
-import importlib.util
-import pathlib
-import sys
-import tempfile
-import time
 
 import jax
 import jax.numpy as jnp
@@ -35,28 +56,35 @@ import numpy as np
 import torch
 from flax import nnx
 
+from benchmarks.gpt_models import (
+    count_compiles,
+    flax_model,
+    gbs,
+    read_bandwidth,
+    readers,
+    torch_models,
+    weight_bytes,
+)
 from benchmarks.rows import make_row
 from benchmarks.timing import Timing, interleaved
+from flax_attention.models import generate
+from flax_attention.models.generation import _next_token  # the step's greedy choice, as is
 
 __all__ = ["format_rows", "plan_calls", "run"]
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-def _example():
-    """``examples/gpt2.py`` as a module (the examples are scripts, not a package)."""
-    name = "gpt2_example"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / "gpt2.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+#: Torch's callables in the generate rounds, after Flax's.
+TORCH_ATTENTIONS = ("eager", "sdpa")
+#: The ``step part`` rows, in order.
+PARTS = ("generate", "decode loop", "layers", "head", "argmax", "embeddings")
 
 
 def plan_calls(config) -> int:
-    per_batch = 3 * (config.generate_repeats + 1) + 3 * 2 + 3
-    return per_batch * len(config.generate_batches)
+    per_batch = (
+        5 * (config.generate_repeats + 1)  # generate x 4 and the read, one warm-up each
+        + 6 * (config.generate_repeats + 1)  # flatness: 3 implementations x 2 positions
+        + (len(PARTS) - 1) * (config.generate_repeats + 1)  # parts (generate's from above)
+    )
+    return 3 * config.bandwidth_repeats + per_batch * len(config.generate_batches)
 
 
 def _tick(progress, n=1):
@@ -64,26 +92,108 @@ def _tick(progress, n=1):
         progress.update(n)
 
 
-def _torch_models(config, directory):
-    import transformers
+def run(config, progress=None) -> list[dict]:
+    models = torch_models(config, TORCH_ATTENTIONS)
+    model, load_s = flax_model(models["sdpa"])
+    nbytes = weight_bytes(model)
+    calls = readers(config.bandwidth_mb, config.bandwidth_reads)
+    read_bytes = config.bandwidth_mb * 2**20 * config.bandwidth_reads
+    bandwidth = read_bandwidth(calls, read_bytes, config.bandwidth_repeats)
+    _tick(progress, 3 * config.bandwidth_repeats)
+    reader = max(bandwidth, key=lambda name: bandwidth[name][0])
+    rows = [
+        make_row(
+            "generate", "machine", "read bandwidth", name, "max", timing=timing, value=gbs,
+            unit="GB/s",
+            note=f"max of {config.bandwidth_mb} MB float32, {config.bandwidth_reads} reads a call"
+            + ("; the fastest: the bound's" if name == reader else ""),
+        )
+        for name, (gbs, timing) in bandwidth.items()
+    ]  # fmt: skip
+    context = {"models": models, "model": model, "load_s": load_s, "nbytes": nbytes,
+               "read": calls[reader], "reader": reader, "read_bytes": read_bytes}  # fmt: skip
+    for batch in config.generate_batches:
+        rows += _run_batch(config, context, batch, progress)
+    return rows
 
-    torch.manual_seed(0)
-    gpt_config = transformers.GPT2Config(
-        **config.generate_model, bos_token_id=None, eos_token_id=None, pad_token_id=None
-    )
-    models = {}
-    for attention in ("eager", "sdpa"):
-        gpt_config._attn_implementation = attention
-        model = transformers.GPT2LMHeadModel(gpt_config).eval()
-        if models:  # the same weights in both
-            model.load_state_dict(next(iter(models.values())).state_dict())
-        else:
-            model.save_pretrained(directory, safe_serialization=True)
-        model.set_attn_implementation(attention)
-        model.generation_config.eos_token_id = None
-        model.generation_config.pad_token_id = 0
-        models[attention] = model
-    return models
+
+def _run_batch(config, context, batch, progress):
+    model, models = context["model"], context["models"]
+    prompt_len, steps = config.generate_prompt, config.generate_steps
+    context_size = model.cfg["context_length"]
+    rng = np.random.default_rng(batch)
+    prompt = rng.integers(0, model.cfg["vocab_size"], (batch, prompt_len)).astype(np.int32)
+    prompt_torch = torch.from_numpy(prompt.astype(np.int64))
+    case = f"b{batch}_p{prompt_len}_n{steps}"
+
+    def flax_generate():
+        return generate(model, prompt, steps, context_size)[:, prompt_len:]
+
+    calls = {
+        "generate": flax_generate,
+        "eager": lambda: _hf_generate(models["eager"], prompt_torch, steps),
+        "sdpa": lambda: _hf_generate(models["sdpa"], prompt_torch, steps),
+        "read": context["read"],
+        "generate 1": lambda: generate(model, prompt, 1, context_size),
+    }
+    outputs = {}
+    with count_compiles() as first:
+        outputs["generate"] = np.asarray(jax.block_until_ready(flax_generate()))
+    for name in ("eager", "sdpa"):  # warm-up, and the tokens compared
+        outputs[name] = np.asarray(calls[name]())
+    calls["read"]()
+    jax.block_until_ready(calls["generate 1"]())
+    _tick(progress, len(calls))
+    equal = {name: int((outputs["generate"] == outputs[name]).sum()) for name in ("eager", "sdpa")}
+    with count_compiles() as timed:
+        timings = interleaved(calls, config.generate_repeats, progress)
+    if timed.count:
+        raise RuntimeError(
+            f"generate compiled {timed.count} times during its timed calls: a second call with "
+            "the same shapes must reuse the first call's executable"
+        )
+    per_s = {name: 1e3 * batch * steps / timings[name]["median_ms"] for name in calls}
+    rows = []
+    for name in ("generate", *TORCH_ATTENTIONS):
+        framework = "flax" if name == "generate" else "torch"
+        note = (
+            f"compile {first.seconds:.2f} s apart ({first.count} compilations in the first call, "
+            f"none in the timed ones); checkpoint load {context['load_s']:.2f} s; greedy tokens "
+            f"equal to eager {equal['eager']}/{batch * steps}, sdpa "
+            f"{equal['sdpa']}/{batch * steps}"
+            if framework == "flax"
+            else f"transformers generate, attn_implementation={name}, cache on"
+        )
+        rows.append(
+            make_row(
+                "generate", case, "generate", framework, name, batch=batch, tokens=steps,
+                timing=timings[name], value=per_s[name], unit="tokens/s",
+                ratio_vs_eager=per_s["generate"] / per_s["eager"],
+                ratio_vs_sdpa=per_s["generate"] / per_s["sdpa"],
+                note=note,
+            )
+        )  # fmt: skip
+    rows.append(
+        make_row(
+            "generate", case, "compile", "flax", "generate", batch=batch, tokens=steps,
+            timing=Timing.of([first.seconds]), value=first.seconds, unit="s",
+            note="the first generate call: trace, lower and compile (jax.monitoring), once",
+        )
+    )  # fmt: skip
+    bandwidth = gbs(context["read_bytes"], timings["read"]["median_ms"])
+    bound = batch * bandwidth * 1e9 / context["nbytes"]
+    rows.append(
+        make_row(
+            "generate", case, "weight-streaming bound", "flax", "bound", batch=batch,
+            tokens=steps, timing=timings["read"], value=bound, unit="tokens/s",
+            ratio=per_s["generate"] / bound, ratio_of="Flax tokens/s / weight-streaming bound",
+            note=f"{batch} x {bandwidth:.1f} GB/s read ({context['reader']}, in the generate "
+            f"rounds) / {context['nbytes'] / 1e6:.1f} MB of float32 weights per step",
+        )
+    )  # fmt: skip
+    rows += _flatness(config, model, models, batch, case, progress)
+    rows += _breakdown(config, model, batch, case, timings, progress)
+    return rows
 
 
 def _hf_generate(model, ids, steps):
@@ -95,85 +205,103 @@ def _hf_generate(model, ids, steps):
     return out[:, ids.shape[1] :]
 
 
-def run(config, progress=None) -> list[dict]:
-    gpt2 = _example()
-    rows = []
-    with tempfile.TemporaryDirectory() as directory:
-        models = _torch_models(config, directory)
-        start = time.perf_counter()
-        model = gpt2.load_checkpoint(directory)
-        load_s = time.perf_counter() - start
-    for batch in config.generate_batches:
-        rows += _run_batch(config, gpt2, model, models, batch, load_s, progress)
-    return rows
-
-
-def _run_batch(config, gpt2, model, models, batch, load_s, progress):
-    prompt_len, steps = config.generate_prompt, config.generate_steps
-    rng = np.random.default_rng(batch)
-    prompt = rng.integers(0, model.config.vocab_size, (batch, prompt_len)).astype(np.int32)
-    prompt_torch, prompt_jax = torch.from_numpy(prompt.astype(np.int64)), jnp.asarray(prompt)
-    case = f"b{batch}_p{prompt_len}_n{steps}"
-    compiled = gpt2.compile_generate(model, batch, prompt_len, steps)
-    calls = {
-        "example": lambda: compiled(prompt_jax),
-        "eager": lambda: _hf_generate(models["eager"], prompt_torch, steps),
-        "sdpa": lambda: _hf_generate(models["sdpa"], prompt_torch, steps),
-    }
-    outputs = {}
-    for name, call in calls.items():  # warm-up, and the tokens compared
-        outputs[name] = np.asarray(jax.block_until_ready(call()))
-        _tick(progress)
-    equal = {name: int((outputs["example"] == outputs[name]).sum()) for name in ("eager", "sdpa")}
-    timings = interleaved(calls, config.generate_repeats, progress)
-    per_s = {name: 1e3 * batch * steps / t["median_ms"] for name, t in timings.items()}
-    rows = []
-    for name in calls:
-        framework = "flax" if name == "example" else "torch"
-        note = (
-            f"compile {compiled.compile_s:.2f} s apart; checkpoint load {load_s:.2f} s; greedy "
-            f"tokens equal to eager {equal['eager']}/{batch * steps}, sdpa "
-            f"{equal['sdpa']}/{batch * steps}"
-            if framework == "flax"
-            else f"transformers generate, attn_implementation={name}, cache on"
-        )
-        rows.append(
-            make_row(
-                "generate", case, "generate", framework, name, batch=batch, tokens=steps,
-                timing=timings[name], value=per_s[name], unit="tokens/s",
-                ratio_vs_eager=per_s["example"] / per_s["eager"],
-                ratio_vs_sdpa=per_s["example"] / per_s["sdpa"],
-                note=note,
-            )
-        )  # fmt: skip
-    rows.append(
-        make_row(
-            "generate", case, "compile", "flax", "example", batch=batch, tokens=steps,
-            timing=Timing.of([compiled.compile_s]), value=compiled.compile_s, unit="s",
-            note="compile_generate: lower + compile, once",
-        )
-    )  # fmt: skip
-    rows += _flatness(config, gpt2, model, models, batch, case, progress)
-    rows += _breakdown(config, gpt2, model, batch, case, progress)
-    return rows
-
-
-# ---- per-token time at the start and at the end of the sequence ---------------------------------
+# ---- the model's decode step, in jitted loops ---------------------------------------------------
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
-def _flax_prefill(graphdef, cache, rest, ids):
-    """The cache after ``ids`` (untimed): where ``_flax_steps`` starts."""
-    model = nnx.merge(graphdef, cache, rest)
+def _prefill(graphdef, params, state, ids):
+    """The state after ``ids`` went through the caches (untimed): where the loops start."""
+    model = nnx.merge(graphdef, params, state)
     model.hidden_states(ids, decode=True)
-    return nnx.state(model, nnx.Cache)
+    return nnx.state(model, nnx.Not(nnx.Param))
+
+
+def _greedy(logits):
+    """generate's choice at temperature 0: ``(b, V)`` -> ``(b,)`` int32."""
+    return _next_token(logits, None, 1.0, greedy=True, top_k=None)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "steps"))
-def _flax_steps(graphdef, cache, rest, token, *, steps):
-    gpt2 = sys.modules["gpt2_example"]
-    keys = jax.random.split(jax.random.key(0), steps)
-    return gpt2.decode_steps(graphdef, cache, rest, token, keys, 1.0, True, None)[1]
+def _decode_loop(graphdef, params, state, token, *, steps):
+    """``steps`` greedy steps as generate's loop makes them: ``hidden_states(decode=True)`` of
+    the last token, the tied head, the greedy choice, fed back."""
+
+    def step(_, carry):
+        state, token = carry  # token: (b,)
+        model = nnx.merge(graphdef, params, state)
+        hidden = model.hidden_states(token[:, None], decode=True)[:, 0]  # (b, d)
+        return nnx.state(model, nnx.Not(nnx.Param)), _greedy(model.logits(hidden))
+
+    return jax.lax.fori_loop(0, steps, step, (state, token))[1]
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "steps"))
+def _layers(graphdef, params, state, x, *, steps):
+    """The blocks and the final norm, ``x`` ``(b, 1, d)`` fed back."""
+
+    def step(_, carry):
+        state, x = carry
+        model = nnx.merge(graphdef, params, state)
+        for block in model.trf_blocks:
+            x = block(x, decode=True)  # (b, 1, d)
+        return nnx.state(model, nnx.Not(nnx.Param)), model.final_norm(x)
+
+    return jax.lax.fori_loop(0, steps, step, (state, x))[1]
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "steps"))
+def _head(graphdef, params, state, x, *, steps):
+    """The tied head ``(b, d) x (V, d)``; its largest logit (scaled to nothing) fed back."""
+    model = nnx.merge(graphdef, params, state)
+
+    def step(_, x):
+        logits = model.logits(x).astype(jnp.float32)  # (b, V)
+        return x + 1e-30 * jnp.max(logits, axis=-1, keepdims=True)
+
+    return jax.lax.fori_loop(0, steps, step, x)
+
+
+@functools.partial(jax.jit, static_argnames=("steps",))
+def _argmax(logits, *, steps):
+    """The greedy choice over ``(b, V)`` logits; the chosen logit set to -inf for the next
+    step."""
+
+    def step(_, carry):
+        logits, total = carry
+        token = _greedy(logits)  # (b,)
+        logits = logits.at[jnp.arange(logits.shape[0]), token].set(-jnp.inf)
+        return logits, total + token
+
+    return jax.lax.fori_loop(0, steps, step, (logits, jnp.zeros(logits.shape[0], jnp.int32)))[1]
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "steps"))
+def _embeddings(graphdef, params, state, token, *, steps):
+    """Token and position embeddings of one token per row."""
+    model = nnx.merge(graphdef, params, state)
+
+    def step(i, carry):
+        token, total = carry
+        x = model.tok_emb(token[:, None]) + model.pos_emb(i[None, None])  # (b, 1, d)
+        return (token + 1) % model.cfg["vocab_size"], total + x
+
+    zeros = jnp.zeros((token.shape[0], 1, model.cfg["emb_dim"]), jnp.float32)
+    return jax.lax.fori_loop(0, steps, step, (token, zeros))[1]
+
+
+def _prefilled(model, batch, position, length, rng):
+    """``(graphdef, params, state, last token)``: a cache of ``length`` slots holding
+    ``position`` random tokens."""
+    ids = rng.integers(0, model.cfg["vocab_size"], (batch, position)).astype(np.int32)
+    model.eval()
+    model.init_cache(batch, length)
+    graphdef, params, state = nnx.split(model, nnx.Param, ...)
+    model.clear_cache()
+    state = _prefill(graphdef, params, state, jnp.asarray(ids))
+    return graphdef, params, state, jnp.asarray(ids[:, -1])
+
+
+# ---- per-token time at the start and at the end of the sequence ---------------------------------
 
 
 def _positions(config):
@@ -183,122 +311,117 @@ def _positions(config):
     return flat, start, end
 
 
-def _flatness(config, gpt2, model, models, batch, case, progress):
+def _flatness(config, model, models, batch, case, progress):
     flat, start, end = _positions(config)
     rng = np.random.default_rng(7)
-    per_token, timing = {}, {}
-    for name in ("example", "eager", "sdpa"):
-        for position in (start, end):
-            ids = rng.integers(0, model.config.vocab_size, (batch, position)).astype(np.int32)
-            token = ids[:, -1]
-            if name == "example":
-                model.init_cache(batch, position + flat)
-                graphdef, cache, rest = nnx.split(model, nnx.Cache, ...)
-                filled = _flax_prefill(graphdef, cache, rest, ids)
-                run = functools.partial(_flax_steps, graphdef, filled, rest, token, steps=flat)
-                jax.block_until_ready(run())  # compile
-                samples = []
-                for _ in range(config.generate_repeats):
-                    began = time.perf_counter()
-                    jax.block_until_ready(run())
-                    samples.append(time.perf_counter() - began)
-            else:
-                samples = [
-                    _torch_steps(models[name], ids, flat)
-                    for _ in range(config.generate_repeats + 1)
-                ][1:]
-            timing[name, position] = Timing.of(samples)
-            per_token[name, position] = timing[name, position]["median_ms"] / flat
-        _tick(progress, 2)
+    calls = {}
+    for position in (start, end):
+        graphdef, params, state, token = _prefilled(model, batch, position, position + flat, rng)
+        calls["generate", position] = functools.partial(
+            _decode_loop, graphdef, params, state, token, steps=flat
+        )
+        ids = rng.integers(0, model.cfg["vocab_size"], (batch, position)).astype(np.int64)
+        for name in TORCH_ATTENTIONS:
+            calls[name, position] = _TorchSteps(models[name], ids, flat)
+    for call in calls.values():
+        jax.block_until_ready(call())  # compile, warm-up
+    _tick(progress, len(calls))
+    timing = interleaved(calls, config.generate_repeats, progress)
+    per_token = {key: t["median_ms"] / flat for key, t in timing.items()}
     rows = []
-    for name in ("example", "eager", "sdpa"):
+    for name in ("generate", *TORCH_ATTENTIONS):
         ratio = per_token[name, end] / per_token[name, start]
+        what = (
+            "GPTModel decode steps (hidden_states decode=True, tied head, argmax) in a jitted loop"
+            if name == "generate"
+            else "GPT2LMHeadModel forward with past_key_values"
+        )
         rows.append(
             make_row(
                 "generate", case, f"ms/token at {start} and {end}",
-                "flax" if name == "example" else "torch", name, batch=batch, tokens=flat,
-                timing=timing[name, end], value=per_token[name, end], unit="ms/token", ratio=ratio,
-                ratio_of=f"ms/token at position {end} / at {start}",
-                note=f"{flat} greedy decode steps each; {per_token[name, start]:.2f} ms/token at "
-                f"{start}",
+                "flax" if name == "generate" else "torch", name, batch=batch, tokens=flat,
+                timing=timing[name, end], value=per_token[name, end], unit="ms/token",
+                ratio=ratio, ratio_of=f"ms/token at position {end} / at {start}",
+                note=f"{flat} greedy steps each, {what}; {per_token[name, start]:.2f} ms/token "
+                f"at {start}",
             )
         )  # fmt: skip
     return rows
 
 
-def _torch_steps(model, ids, steps) -> float:
-    """Seconds for ``steps`` cached greedy steps after prefilling ``ids`` (untimed)."""
-    with torch.no_grad():
-        out = model(torch.from_numpy(ids.astype(np.int64)), use_cache=True)
-        cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
-        began = time.perf_counter()
-        for _ in range(steps):
-            out = model(token, past_key_values=cache, use_cache=True)
-            cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
-        return time.perf_counter() - began
+class _TorchSteps:
+    """``steps`` cached greedy steps after ``ids``, whose prefill is made once, untimed; each
+    call crops the cache back to ``ids`` when done (``DynamicCache.crop(-steps)``, a view)."""
+
+    def __init__(self, model, ids, steps):
+        self.model, self.steps = model, steps
+        with torch.no_grad():
+            out = model(torch.from_numpy(ids), use_cache=True)
+        self.cache = out.past_key_values
+        self.token = out.logits[:, -1].argmax(-1, keepdim=True)
+
+    def __call__(self):
+        token = self.token
+        with torch.no_grad():
+            for _ in range(self.steps):
+                out = self.model(token, past_key_values=self.cache, use_cache=True)
+                token = out.logits[:, -1].argmax(-1, keepdim=True)
+        self.cache.crop(-self.steps)
+        return token
 
 
 # ---- where a Flax step's time goes ---------------------------------------------------------------
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "steps"))
-def _layers_only(graphdef, cache, rest, x, *, steps):
-    def step(carry, _):
-        cache, x = carry
-        model = nnx.merge(graphdef, cache, rest)
-        for block in model.h:
-            x = block(x, decode=True)  # (b, 1, d)
-        return (nnx.state(model, nnx.Cache), model.ln_f(x)), None
-
-    return jax.lax.scan(step, (cache, x), length=steps)[0][1]
-
-
-@functools.partial(jax.jit, static_argnames=("steps", "transposed"))
-def _head_only(embedding, head_kernel, x, *, steps, transposed):
-    """``steps`` head products, each feeding back the embedding of its argmax: against the
-    ``(V, d)`` embedding as stored (what the example does), or a ``(d, V)`` copy made once
-    outside (``head_kernel``)."""
-
-    def step(x, _):
-        if transposed:
-            logits = jnp.matmul(x, head_kernel)  # (b, V)
-        else:
-            logits = jnp.einsum("bd,vd->bv", x, embedding)  # (b, V)
-        token = jnp.argmax(logits, axis=-1)
-        return embedding[token], None  # (b, d): the next input depends on this step
-
-    return jax.lax.scan(step, x, length=steps)[0]
-
-
-def _breakdown(config, gpt2, model, batch, case, progress):
+def _breakdown(config, model, batch, case, generate_timings, progress):
+    """The ``step part`` rows: generate's own step from its rounds (``steps`` new tokens minus
+    1, over ``steps - 1``), then the pieces, each from a cache as long as generate's."""
     flat, start, _ = _positions(config)
-    d = model.config.n_embd
-    x = jnp.asarray(np.random.default_rng(3).standard_normal((batch, 1, d)), jnp.float32)
-    model.init_cache(batch, start + flat)
-    graphdef, cache, rest = nnx.split(model, nnx.Cache, ...)
-    embedding = model.wte.embedding[...]
-    head_kernel = jnp.asarray(np.ascontiguousarray(np.asarray(embedding).T))  # (d, V) copy
+    steps = config.generate_steps
+    rng = np.random.default_rng(3)
+    length = start + steps - 1  # generate's cache: the attention reads all of it every step
+    graphdef, params, state, token = _prefilled(model, batch, start, length, rng)
+    d, vocab = model.cfg["emb_dim"], model.cfg["vocab_size"]
+    x = jnp.asarray(rng.standard_normal((batch, 1, d)), jnp.float32)
+    logits = jnp.asarray(rng.standard_normal((batch, vocab)), jnp.float32)
     calls = {
-        "layers": functools.partial(_layers_only, graphdef, cache, rest, x, steps=flat),
-        "head (embedding as stored)": functools.partial(
-            _head_only, embedding, head_kernel, x[:, 0], steps=flat, transposed=False
-        ),
-        "head (transposed copy)": functools.partial(
-            _head_only, embedding, head_kernel, x[:, 0], steps=flat, transposed=True
-        ),
+        "decode loop": functools.partial(_decode_loop, graphdef, params, state, token, steps=flat),
+        "layers": functools.partial(_layers, graphdef, params, state, x, steps=flat),
+        "head": functools.partial(_head, graphdef, params, state, x[:, 0], steps=flat),
+        "argmax": functools.partial(_argmax, logits, steps=flat),
+        "embeddings": functools.partial(_embeddings, graphdef, params, state, token, steps=flat),
     }
     for call in calls.values():
         jax.block_until_ready(call())  # compile
-    timings = interleaved(calls, config.generate_repeats)
-    _tick(progress, 3)
+    _tick(progress, len(calls))
+    timings = interleaved(calls, config.generate_repeats, progress)
+    per_step = {name: t["median_ms"] / flat for name, t in timings.items()}
+    whole, one = (
+        generate_timings["generate"]["median_ms"],
+        generate_timings["generate 1"]["median_ms"],
+    )
+    difference = (whole - one) / (steps - 1) if steps > 1 else 0.0
+    per_step["generate"] = difference if difference > 0 else None
+    timings["generate"] = generate_timings["generate"]
+    parts = sum(per_step[name] for name in ("layers", "head", "argmax", "embeddings"))
+    beyond = f"{{:+.2f}} ms beyond layers + head + argmax + embeddings ({parts:.2f} ms)"
+    notes = {
+        "generate": f"(generate of {steps} new tokens - of 1: {one:.1f} ms) / {steps - 1}, "
+        "from the generate rounds; "
+        + (beyond.format(difference - parts) if difference > 0 else "below the noise"),
+        "decode loop": f"the step alone, {flat} in a fori_loop; "
+        + beyond.format(per_step["decode loop"] - parts),
+        "layers": f"{model.cfg['n_layers']} blocks + final norm, a cache of {length} slots",
+        "head": f"(b, d) x (V, d) against the token embedding as stored, V = {vocab}",
+        "argmax": f"generate's greedy choice over (b, V) float32 logits, V = {vocab}",
+        "embeddings": "token and position embedding of one token per row",
+    }
     return [
         make_row(
-            "generate", case, f"step part: {name}", "flax", "example", batch=batch, tokens=flat,
-            timing=timing, value=timing["median_ms"] / flat, unit="ms/token",
-            note=f"{model.config.n_layer} layers, cache at position {start}" if name == "layers"
-            else f"(b, d) x (d, V), V = {model.config.vocab_size}, argmax fed back",
+            "generate", case, f"step part: {name}", "flax", name, batch=batch, tokens=flat,
+            timing=timings[name], value=per_step[name], unit="ms/step", note=notes[name],
         )
-        for name, timing in timings.items()
+        for name in PARTS
     ]  # fmt: skip
 
 
@@ -322,7 +445,7 @@ def format_rows(rows: list[dict], table) -> str:
     if not lines:
         return ""
     title = (
-        "Generate: GPT-2 example vs transformers generate; tokens/s summed over the batch, "
-        "flax/torch > 1 = Flax faster"
+        "Generate: flax_attention.models.generate vs transformers generate; tokens/s summed "
+        "over the batch, flax/torch > 1 = Flax faster; bound: weights read once per step"
     )
     return f"{title}\n{table(headers, lines)}\n"

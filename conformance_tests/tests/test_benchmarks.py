@@ -2,7 +2,8 @@
 
 One subprocess runs every section on tiny shapes; the test checks the JSON's structure, that
 every measured time and quantity is finite and positive, and that the Flax outputs (and gradients,
-and generated tokens) recorded next to each timing equal torch's: the values, not just the shapes.
+generated tokens, the whole model's logits and training losses) recorded next to each timing
+equal torch's: the values, not just the shapes.
 The same run draws the charts (``--charts``, where matplotlib is installed); their data is checked
 against the rows' ratios, and a redraw from the JSON against the run's own PNGs.
 """
@@ -21,7 +22,7 @@ import types
 import pytest
 
 from benchmarks import ROW_FIELDS, charts
-from benchmarks.cli import DECODE_SPEEDUP_TARGET, SPEED_TARGETS
+from benchmarks.cli import DECODE_SPEEDUP_TARGET, MODEL_TARGETS, SPEED_TARGETS, targets
 from benchmarks.rows import make_row
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -74,7 +75,16 @@ def test_rows_have_every_field_and_every_section(report):
     for row in rows:
         assert tuple(row) == ROW_FIELDS, f"row fields {tuple(row)} must be {ROW_FIELDS}"
     sections = {r["section"] for r in rows}
-    assert sections == {"speed", "memory", "decode", "compile", "generate", "targets"}, sections
+    assert sections == {
+        "speed",
+        "memory",
+        "decode",
+        "compile",
+        "generate",
+        "prefill",
+        "train",
+        "targets",
+    }, sections
 
 
 def test_times_and_quantities_are_finite_and_positive(report):
@@ -87,7 +97,7 @@ def test_times_and_quantities_are_finite_and_positive(report):
         assert math.isfinite(row["median_ms"]) and row["median_ms"] > 0, name
         if row["value"] is not None:
             assert math.isfinite(row["value"]) and row["value"] > 0, (name, row["value"])
-    for section in ("memory", "decode", "compile"):
+    for section in ("memory", "decode", "compile", "generate", "prefill", "train"):
         assert _measured(rows, section), f"section {section} measured nothing"
 
 
@@ -107,8 +117,9 @@ def test_flax_equals_torch_in_every_compared_row(report):
     rows = report[0]["rows"]
     compared = [r for r in rows if r["max_rel_diff"] is not None and not r["skipped"]]
     flax_rows = [r for r in compared if r["framework"] == "flax"]
-    # every flax speed row (outputs; gradients w.r.t. input and every parameter) and generation
-    assert {r["section"] for r in flax_rows} == {"speed", "decode"}
+    # every flax speed row (outputs; gradients w.r.t. input and every parameter), generation,
+    # the whole model's logits and its training losses
+    assert {r["section"] for r in flax_rows} == {"speed", "decode", "prefill", "train"}
     assert any(r["mode"] == "forward+backward" for r in flax_rows)
     for row in compared:
         name = f"{row['section']}/{row['case']}/{row['mode']}/{row['implementation']}"
@@ -132,9 +143,77 @@ def test_memory_decode_and_compile_rows_measure_what_they_say(report):
     assert any(r["implementation"] == "default" and r["unit"] == "s" for r in compile_rows)
 
 
+def test_generate_rows_hold_tokens_bound_and_step_parts(report):
+    rows = _measured(report[0]["rows"], "generate")
+    readers = {r["framework"]: r for r in rows if r["mode"] == "read bandwidth"}
+    assert set(readers) == {"numpy", "jax", "torch"}
+    assert all(r["unit"] == "GB/s" for r in readers.values())
+    for flax in [r for r in rows if r["mode"] == "generate" and r["framework"] == "flax"]:
+        case, batch, steps = flax["case"], flax["batch"], flax["tokens"]
+        mine = [r for r in rows if r["case"] == case]
+        torch_rows = {r["implementation"]: r for r in mine if r["mode"] == "generate"
+                      and r["framework"] == "torch"}  # fmt: skip
+        assert set(torch_rows) == {"eager", "sdpa"}
+        for name, row in torch_rows.items():
+            assert flax[f"ratio_vs_{name}"] == pytest.approx(flax["value"] / row["value"])
+        # greedy tokens equal transformers' (both attentions), no compile in the timed calls
+        count = batch * steps
+        assert f"equal to eager {count}/{count}, sdpa {count}/{count}" in flax["note"]
+        assert "none in the timed ones" in flax["note"]
+        (bound,) = [r for r in mine if r["implementation"] == "bound"]
+        assert bound["unit"] == "tokens/s" and bound["value"] > 0
+        assert bound["ratio"] == pytest.approx(flax["value"] / bound["value"])
+        parts = {r["implementation"] for r in mine if r["mode"].startswith("step part: ")}
+        assert parts == {"generate", "decode loop", "layers", "head", "argmax", "embeddings"}
+        (compiled,) = [r for r in mine if r["mode"] == "compile"]
+        assert compiled["unit"] == "s" and compiled["value"] > 0
+
+
+def test_prefill_and_train_rows_compare_flax_with_transformers(report):
+    rows = report[0]["rows"]
+    for section, modes in (("prefill", {"last-position logits", "all logits"}),
+                           ("train", {"train step"})):  # fmt: skip
+        measured = _measured(rows, section)
+        assert {r["mode"] for r in measured} == modes
+        for mode in modes:
+            pair = {r["framework"]: r for r in measured if r["mode"] == mode}
+            assert set(pair) == {"flax", "torch"}
+            ratio = pair["flax"]["median_ms"] / pair["torch"]["median_ms"]
+            assert pair["flax"]["ratio_vs_sdpa"] == pytest.approx(ratio)
+            assert pair["flax"]["max_rel_diff"] is not None  # compared before timing
+        goals = [r for r in _measured(rows, "targets") if r["case"] == measured[0]["case"]]
+        assert len(goals) == len(modes)
+        for goal in goals:
+            assert goal["met"] == (goal["value"] <= 1.0)
+
+
+def test_model_targets_of_hand_made_rows():
+    def generate_row(batch, eager, sdpa):
+        return make_row("generate", f"b{batch}", "generate", "flax", "generate", batch=batch,
+                        ratio_vs_eager=eager, ratio_vs_sdpa=sdpa)  # fmt: skip
+
+    rows = [
+        generate_row(1, 1.6, 1.4),  # the faster transformers attention counts: 1.4 < 1.5
+        generate_row(2, 9.0, 9.0),  # no goal at batch 2
+        generate_row(8, 2.6, 2.7),
+        make_row("generate", "b1", "weight-streaming bound", "flax", "bound", batch=1, ratio=0.9),
+        make_row("prefill", "b1_t1024", "all logits", "flax", "GPTModel", ratio_vs_sdpa=1.0),
+        make_row("train", "b8_t256", "train step", "flax", "train_step", ratio_vs_sdpa=1.01),
+    ]
+    got = [(r["case"], r["value"], r["met"]) for r in targets(rows)]
+    assert got == [
+        ("b1", 1.4, False), ("b8", 2.6, True), ("b1", 0.9, True), ("b1_t1024", 1.0, True),
+        ("b8_t256", 1.01, False),
+    ]  # fmt: skip
+    text = [r["target"] for r in targets(rows)]
+    assert all("project goal for the model" in t and "issue" not in t for t in text), text
+    assert f">= {MODEL_TARGETS['generate b8 / transformers']:g}x" in text[1]
+
+
 def test_table_on_stdout(report):
     _, stdout = report
-    for title in ("Machine", "Speed:", "Memory:", "Decode:", "Compile:", "Targets"):
+    for title in ("Machine", "Speed:", "Memory:", "Decode:", "Compile:", "Generate:", "Prefill:",
+                  "Train:", "Targets"):  # fmt: skip
         assert title in stdout, f"{title!r} missing from the printed table"
 
 
@@ -187,15 +266,27 @@ def test_memory_decode_and_generate_charts_hold_the_rows_ratios(report):
     assert _bars(decode) == 3  # generate and kv_cache over recompute; generate's flatness
 
     generate = charts.chart_data(rows, "generate")
-    tokens, flatness = generate.panels
+    tokens, bound, flatness = generate.panels
     (flax,) = [r for r in _measured(rows, "generate") if r["framework"] == "flax"
                and r["mode"] == "generate"]  # fmt: skip
     assert tokens.value("eager", flax["case"]) == flax["ratio_vs_eager"]
     assert tokens.value("sdpa", flax["case"]) == flax["ratio_vs_sdpa"]
+    assert bound.target == MODEL_TARGETS["generate b1 / bound"]
     for row in _measured(rows, "generate"):
-        if row["ratio"] is not None:
+        if row["implementation"] == "bound":
+            assert bound.value("bound", row["case"]) == row["ratio"]
+        elif row["ratio"] is not None:
             assert flatness.value(row["implementation"], row["case"]) == row["ratio"]
-    assert _bars(generate) == 5
+    assert _bars(generate) == 6  # two over transformers, the bound, three flatness
+
+    for section in ("prefill", "train"):
+        chart = charts.chart_data(rows, section)
+        flax = [r for r in _measured(rows, section) if r["framework"] == "flax"]
+        assert [p.title for p in chart.panels] == [r["mode"] for r in flax]
+        for panel, row in zip(chart.panels, flax):
+            assert panel.value(row["implementation"], row["case"]) == row["ratio_vs_sdpa"]
+            assert panel.target == 1.0
+        assert _bars(chart) == len(flax)
 
 
 def test_chart_data_of_hand_made_rows():
@@ -248,7 +339,7 @@ def test_caption_names_the_machine_and_the_command(report):
 def test_redraw_from_json_gives_the_same_data(quick_run):
     loaded = charts.load_results(quick_run.json_path)
     sections = charts.charted_sections(loaded["rows"])
-    assert sections == ["speed", "memory", "decode", "generate"]
+    assert sections == ["speed", "memory", "decode", "generate", "prefill", "train"]
     for section in sections:
         again = charts.chart_data(loaded["rows"], section)
         assert again == charts.chart_data(quick_run.data["rows"], section), section
@@ -257,7 +348,9 @@ def test_redraw_from_json_gives_the_same_data(quick_run):
 @pytest.mark.skipif(not HAVE_MATPLOTLIB, reason="matplotlib (the report extra) is not installed")
 def test_charts_flag_writes_one_png_per_section_and_a_redraw_the_same(quick_run, tmp_path, capsys):
     written = sorted(p.name for p in quick_run.chart_dir.iterdir())
-    assert written == ["decode.png", "generate.png", "memory.png", "speed.png"]
+    assert written == [
+        "decode.png", "generate.png", "memory.png", "prefill.png", "speed.png", "train.png"
+    ]  # fmt: skip
     for name in written:
         data = (quick_run.chart_dir / name).read_bytes()
         assert data.startswith(PNG_SIGNATURE) and len(data) > 10_000, (name, len(data))

@@ -277,6 +277,25 @@ def test_sampling_is_a_function_of_the_key_and_top_k_one_is_greedy(pair):
     np.testing.assert_array_equal(sample(2, top_k=1), greedy)
 
 
+def test_greedy_choice_is_argmax_with_its_ties_nan_and_infinities():
+    """generate's greedy pick (two plain reductions, faster on CPU than XLA's argmax) gives
+    ``jnp.argmax``'s index: the first maximum, the first NaN of a row holding one."""
+    from flax_attention.models.generation import _argmax
+
+    rows = np.random.default_rng(0).standard_normal((6, 50257)).astype(np.float32)
+    rows[1, [7, 300, 50000]] = 9.0  # a tie: the first
+    rows[2, [11, 40000]] = np.nan  # NaN wins, the first of them
+    rows[2, 5] = np.inf
+    rows[3] = -np.inf  # all -inf: index 0
+    rows[4, 50256] = np.inf  # the last column
+    rows[5, :] = 0.0  # all equal: index 0
+    for logits in (rows, rows[:1], rows.reshape(2, 3, -1)):
+        expected = np.asarray(jax.numpy.argmax(logits, axis=-1))
+        got = np.asarray(jax.jit(_argmax)(logits))
+        np.testing.assert_array_equal(got, expected)
+        assert got.dtype == np.int32
+
+
 # ---- training as chapter 5 ----------------------------------------------------------------------
 
 
