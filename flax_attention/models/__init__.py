@@ -16,8 +16,8 @@ Nothing here imports torch (``read_pth`` does, when called).
 from flax_attention.models.checkpoints import read_pth
 from flax_attention.models.generation import generate, generate_text_simple
 from flax_attention.models.gpt import (
-    GPT_CONFIG_124M,
     GELU,
+    GPT_CONFIG_124M,
     FeedForward,
     GPTModel,
     LayerNorm,

@@ -1,13 +1,14 @@
 """Checkpoints of ``GPTModel``: Hugging Face GPT-2 directories in and out, the book's ``.pth``.
 
-- ``load_pretrained(GPTModel, path)`` (``GPTModel.from_pretrained(path)``) reads a directory as ``save_pretrained`` writes it or as the hub
-  serves it: ``config.json`` and ``model.safetensors``, or a sharded
-  ``model.safetensors.index.json`` with its shard files. The model is built abstractly (no
-  parameter is drawn at random) and filled through the weight bridge's ``"gpt2"`` layout, one
-  strict, all-or-nothing load; its RNG state is concrete, so the result jits, differentiates and
-  trains like any module.
-- ``save_pretrained(model, path)`` (``model.save_pretrained(path)``) writes ``config.json`` and ``model.safetensors`` that
-  ``transformers.GPT2LMHeadModel.from_pretrained`` loads to the same logits.
+- ``load_pretrained(GPTModel, path)`` (``GPTModel.from_pretrained(path)``) reads a directory as
+  ``save_pretrained`` writes it or as the hub serves it: ``config.json`` and
+  ``model.safetensors``, or a sharded ``model.safetensors.index.json`` with its shard files.
+  The model is built abstractly (no parameter is drawn at random) and filled through the weight
+  bridge's ``"gpt2"`` layout, one strict, all-or-nothing load; its RNG state is concrete, so
+  the result jits, differentiates and trains like any module.
+- ``save_pretrained(model, path)`` (``model.save_pretrained(path)``) writes ``config.json`` and
+  ``model.safetensors`` that ``transformers.GPT2LMHeadModel.from_pretrained`` loads to the same
+  logits.
 - ``read_pth(path)``: the book saves its model with ``torch.save(model.state_dict(), ...)`` (or a
   dict holding it under ``"model_state_dict"``); this reads one with
   ``torch.load(..., weights_only=True)`` (nothing is unpickled beyond tensors) into NumPy
@@ -106,9 +107,9 @@ def config_to_hf(cfg: Mapping) -> dict:
 
 
 def new_model(cls, cfg, *, seed: int = 0, **options):
-    """A ``cls`` (``GPTModel``) whose parameters are abstract (shapes only, nothing drawn) and whose other
-    state (dropout RNG streams) is concrete: what a checkpoint is loaded into. A strict load
-    then leaves nothing abstract."""
+    """A ``cls`` (``GPTModel``) whose parameters are abstract (shapes only, nothing drawn) and
+    whose other state (dropout RNG streams) is concrete: what a checkpoint is loaded into. A
+    strict load then leaves nothing abstract."""
 
     def make():
         return cls(cfg, rngs=nnx.Rngs(seed), **options)

@@ -285,7 +285,9 @@ def _generate(
             return nnx.state(model, nnx.Not(nnx.Param)), step + 1, carry
 
         _, step, carry = jax.lax.while_loop(
-            lambda loop: (loop[1] < cached_steps) & ~loop[2][2], cached, (state, jnp.int32(1), carry)
+            lambda loop: (loop[1] < cached_steps) & ~loop[2][2],
+            cached,
+            (state, jnp.int32(1), carry),
         )
 
     if cached_steps < max_new_tokens:

@@ -39,7 +39,6 @@ import numbers
 import os
 from collections.abc import Mapping
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -367,9 +366,7 @@ class GPTModel(nnx.Module):
         ``decode=True``: the tokens continue the sequence in the caches (``init_cache`` first);
         their positions start at the cache's index. ``attention_mask`` ``(b, s)`` (``s = t``, or
         the cache's ``max_length`` with ``decode``): 1 for a token, 0 for left padding."""
-        return self.logits(
-            self.hidden_states(in_idx, decode=decode, attention_mask=attention_mask)
-        )
+        return self.logits(self.hidden_states(in_idx, decode=decode, attention_mask=attention_mask))
 
     # ---- the weight bridge's names ------------------------------------------------------------
 
