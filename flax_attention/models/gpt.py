@@ -39,11 +39,19 @@ import numbers
 import os
 from collections.abc import Mapping
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec
 
 from flax_attention._init import linear_factory
-from flax_attention.axes import FROM_HEADS, TO_HEADS, LinearAxes, out_sharding_like
+from flax_attention.axes import (
+    FROM_HEADS,
+    TO_HEADS,
+    LinearAxes,
+    explicit_mesh,
+    out_sharding_like,
+)
 from flax_attention.core import Implementation
 from flax_attention.layouts import ModelNames
 from flax_attention.models import checkpoints
@@ -192,6 +200,16 @@ class FeedForward(nnx.Module):
         return self.layers[2](hidden, out_sharding=out_sharding_like(x))  # (b, t, d)
 
 
+def _looked_up_like(ids):
+    """Under an ``Explicit`` mesh, the sharding of an embedding lookup's ``(..., d)`` result:
+    laid out as the ids (batch over ``data``), features replicated; ``None`` otherwise. The
+    gather cannot infer it from a replicated table and split ids (a ``ShardingTypeError``)."""
+    if explicit_mesh() is None:
+        return None
+    spec = tuple(jax.typeof(ids).sharding.spec)
+    return PartitionSpec(*spec, *(None,) * (jnp.ndim(ids) - len(spec) + 1))
+
+
 class TransformerBlock(nnx.Module):
     """The book's ``TransformerBlock``: ``x + drop_resid(att(norm1(x)))``, then
     ``x + drop_resid(ff(norm2(x)))``."""
@@ -327,8 +345,8 @@ class GPTModel(nnx.Module):
             key_mask = None
         else:
             positions, key_mask = self._padding(attention_mask, in_idx, offset, decode)
-        tok_embeds = self.tok_emb(in_idx)  # (b, t, d)
-        pos_embeds = self.pos_emb(positions)  # (t, d) or (b, t, d)
+        tok_embeds = self.tok_emb(in_idx, out_sharding=_looked_up_like(in_idx))  # (b, t, d)
+        pos_embeds = self.pos_emb(positions, out_sharding=_looked_up_like(positions))
         x = self.drop_emb(tok_embeds + pos_embeds)  # (b, t, d)
         for block in self.trf_blocks:
             x = block(x, decode=decode, mask=key_mask)  # (b, t, d)
