@@ -165,8 +165,10 @@ class LayerNorm(nnx.Module):
         mean = x32.mean(axis=-1, keepdims=True)  # (..., 1)
         var = x32.var(axis=-1, keepdims=True)  # (..., 1), unbiased=False
         norm_x = (x32 - mean) / jnp.sqrt(var + self.eps)
-        out = self.scale[...].astype(x32.dtype) * norm_x + self.shift[...].astype(x32.dtype)
-        return out.astype(dtype)
+        lead = (1,) * (x.ndim - 1)  # (d,) as (1, ..., d): no implicit rank promotion
+        scale = self.scale[...].astype(x32.dtype).reshape(*lead, -1)
+        shift = self.shift[...].astype(x32.dtype).reshape(*lead, -1)
+        return (scale * norm_x + shift).astype(dtype)
 
 
 class GELU(nnx.Module):
@@ -365,12 +367,12 @@ class GPTModel(nnx.Module):
         seq_len = in_idx.shape[-1]
         offset = self.trf_blocks[0].att.cache_index[...] if decode else 0
         if attention_mask is None:
-            positions = offset + jnp.arange(seq_len)  # (t,)
+            positions = (offset + jnp.arange(seq_len))[None]  # (1, t)
             key_mask = None
         else:
             positions, key_mask = self._padding(attention_mask, in_idx, offset, decode)
         tok_embeds = self.tok_emb(in_idx, out_sharding=_looked_up_like(in_idx))  # (b, t, d)
-        pos_embeds = self.pos_emb(positions, out_sharding=_looked_up_like(positions))
+        pos_embeds = self.pos_emb(positions, out_sharding=_looked_up_like(positions))  # (1|b, t, d)
         x = self.drop_emb(tok_embeds + pos_embeds)  # (b, t, d)
         for block in self.trf_blocks:
             x = block(x, decode=decode, mask=key_mask)  # (b, t, d)
