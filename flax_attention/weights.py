@@ -372,13 +372,16 @@ def _check_alias(name, of, value: np.ndarray, repeated) -> str | None:
 
 
 def _assign(variable: nnx.Variable, value: np.ndarray) -> None:
-    """Replace the variable's value whole, on its current sharding. (``variable[...] = value``
-    compiles an XLA scatter per shape and fails on an abstract module made by ``nnx.eval_shape``,
-    the usual skeleton to load a checkpoint into.)"""
+    """Replace the variable's value whole, on its current sharding, committed to its devices only
+    if it was (placed by ``shard``): a jitted step compiles again when an input's commitment
+    changes, and its outputs are committed when any input is, so committing the loaded weights
+    made a training step with a fresh, uncommitted optimizer state compile twice.
+    (``variable[...] = value`` compiles an XLA scatter per shape and fails on an abstract module
+    made by ``nnx.eval_shape``, the usual skeleton to load a checkpoint into.)"""
     current = variable.get_value()
-    if isinstance(current, jax.Array):
+    if isinstance(current, jax.Array) and current.committed:
         variable.set_value(jax.device_put(value, current.sharding))
-    else:  # abstract (jax.ShapeDtypeStruct)
+    else:  # uncommitted (the default device), or abstract (jax.ShapeDtypeStruct)
         variable.set_value(jax.device_put(value))
 
 
