@@ -229,13 +229,13 @@ def read_pth(path: str | os.PathLike) -> dict[str, np.ndarray]:
             "read_pth needs torch to read a .pth file: pip install torch (the CPU build: "
             "pip install torch --index-url https://download.pytorch.org/whl/cpu)"
         ) from error
-    loaded = torch.load(os.fspath(path), map_location="cpu", weights_only=True)
+    name = os.fspath(path)
+    loaded = torch.load(name, map_location="cpu", weights_only=True)
     if isinstance(loaded, Mapping) and "model_state_dict" in loaded:
         loaded = loaded["model_state_dict"]
     if not isinstance(loaded, Mapping):
         raise ValueError(
-            f"path ({os.fspath(path)!r}) must hold a state dict (str -> tensor), "
-            f"got {type(loaded).__name__}"
+            f"path ({name!r}) must hold a state dict (str -> tensor), got {type(loaded).__name__}"
         )
 
     def numpy(tensor):
