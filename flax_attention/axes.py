@@ -56,6 +56,7 @@ __all__ = [
     "lookup_sharding",
     "mesh_axis_size",
     "out_sharding_like",
+    "parameters_mesh",
     "partition_spec",
     "place",
     "place_like_parameters",
@@ -292,19 +293,24 @@ def fetch(values) -> list[np.ndarray]:
     return [np.asarray(value) for value in values]
 
 
-def place_like_parameters(module: nnx.Module, variables: dict[str, nnx.Variable]) -> None:
-    """Put ``variables`` (new state by name, e.g. the decode cache ``init_cache`` makes) on the
-    mesh ``module``'s parameters are on, as their metadata says; nothing if the parameters are
-    not on a mesh (not sharded, or traced). A size that does not divide over its mesh axis raises
-    ``ValueError`` as in ``shard``, before anything moves."""
-    mesh = None
+def parameters_mesh(module: nnx.Module):
+    """The mesh ``module``'s parameters are placed on (``flax_attention.shard``), or ``None``
+    (not sharded, or traced)."""
     for _, node in nnx.iter_graph(module):
         if isinstance(node, nnx.Param):
             value = node.get_value()
             sharding = getattr(value, "sharding", None)
             if isinstance(sharding, NamedSharding) and not isinstance(value, jax.core.Tracer):
-                mesh = sharding.mesh
-                break
+                return sharding.mesh
+    return None
+
+
+def place_like_parameters(module: nnx.Module, variables: dict[str, nnx.Variable]) -> None:
+    """Put ``variables`` (new state by name, e.g. the decode cache ``init_cache`` makes) on the
+    mesh ``module``'s parameters are on, as their metadata says; nothing if the parameters are
+    not on a mesh (not sharded, or traced). A size that does not divide over its mesh axis raises
+    ``ValueError`` as in ``shard``, before anything moves."""
+    mesh = parameters_mesh(module)
     if mesh is None:
         return
     for name, variable in variables.items():

@@ -31,6 +31,7 @@ from flax_attention.axes import HEADS, constrain
 from flax_attention.core import select_implementation
 from flax_attention.kernels import dropout_hash, native
 from flax_attention.masking import AttentionMask
+from flax_attention.models import GPTModel, generate
 
 if jax.device_count() < 8:  # test_sharding.py runs this file with 8 devices
     pytest.skip(
@@ -328,6 +329,119 @@ def test_decode_equals_one_device(name, shape, kind):
     assert_close(expected, actual, f"{name} decode on {_id(shape)} ({kind})")
 
 
+# ---- the book's GPTModel (flax_attention.models): the whole model on a mesh ------------------
+
+#: A small GPTModel whose heads (4), emb_dim (32) and hidden features (128) divide the model axis.
+GPT_CFG = {
+    "vocab_size": 97, "context_length": 16, "emb_dim": 32, "n_heads": 4, "n_layers": 2,
+    "drop_rate": 0.0, "qkv_bias": True,
+}  # fmt: skip
+
+
+def _gpt_model(tied: bool) -> GPTModel:
+    model = GPTModel({**GPT_CFG, "tie_word_embeddings": tied}, rngs=nnx.Rngs(0))
+    model.eval()
+    return model
+
+
+def gpt_axes(path) -> tuple:
+    """Where a GPTModel parameter goes: the attention's as ``expected_axes``; the MLP's first
+    Linear splits its hidden (output) features over ``model``, its second its input features;
+    embeddings, norms and the head replicated (``()``)."""
+    names = tuple(map(str, path))
+    if "att" in names:
+        return expected_axes(path)
+    if names[-3:-1] == ("layers", "0"):
+        return COLUMN if names[-1] == "kernel" else ("model",)
+    if names[-3:-1] == ("layers", "2"):
+        return ROW if names[-1] == "kernel" else (None,)
+    return ()
+
+
+@nnx.jit
+def gpt_logits_and_grads(model, ids, cotangent):
+    """Logits and the gradient of ``sum(logits * cotangent)`` w.r.t. every parameter, by name."""
+
+    def loss(model):
+        logits = model(ids)  # (b, t, V)
+        return (logits * cotangent).sum(), logits
+
+    (_, logits), grads = nnx.value_and_grad(loss, has_aux=True)(model)
+    flat = {"logits": logits}
+    flat.update({"grad " + ".".join(map(str, p)): g[...] for p, g in nnx.to_flat_state(grads)})
+    return flat
+
+
+_GPT_REFERENCES: dict = {}
+
+
+@pytest.mark.parametrize(
+    ("tied", "kind"),
+    [(False, "auto"), (False, "explicit"), (True, "explicit")],
+    ids=["book_head-auto", "book_head-explicit", "tied_head-explicit"],
+)
+def test_forward_and_gradients_of_the_gpt_model_equal_one_device(tied, kind):
+    """The book's GPTModel (its own ``out_head``; or GPT-2's head tied to ``tok_emb``) on 2x4:
+    every parameter where ``gpt_axes`` says (the MLP's hidden features over ``model``, the
+    embeddings and the head replicated); logits and the gradient of every parameter (the tied
+    embedding's sums both uses) equal one device."""
+    if tied not in _GPT_REFERENCES:
+        rng = np.random.default_rng(21)
+        ids = rng.integers(0, GPT_CFG["vocab_size"], (B, 8))
+        cotangent = rng.standard_normal((B, 8, GPT_CFG["vocab_size"])).astype(np.float32)
+        model = _gpt_model(tied=tied)
+        reference = gpt_logits_and_grads(nnx.clone(model), ids, cotangent)
+        _GPT_REFERENCES[tied] = model, ids, cotangent, reference
+    model, ids, cotangent, reference = _GPT_REFERENCES[tied]
+    mesh = make_mesh((2, 4), kind=kind)
+    sharded = fa.shard(nnx.clone(model), mesh)
+    params = nnx.to_flat_state(nnx.state(sharded, nnx.Param))
+    assert len(params) == 2 + 2 * 16 + 2 + (not tied)  # embeddings, blocks, final norm, head
+    for path, variable in params:
+        value = variable[...]
+        assert placed_as(value, mesh, P(*gpt_axes(path))), f"{path}: {value.sharding}"
+    with jax.set_mesh(mesh):
+        ids_on_mesh, cotangent_on_mesh = shard_inputs([ids, cotangent], mesh)
+        actual = gpt_logits_and_grads(sharded, ids_on_mesh, cotangent_on_mesh)
+    assert placed_as(actual["logits"], mesh, P("data")), actual["logits"].sharding
+    worst = assert_close(reference, actual, f"GPTModel (tied {tied}) on 2x4 ({kind})")
+    print(f"GPTModel (tied {tied}) 2x4 ({kind}): logits, gradients max abs diff {worst:.2e}")
+
+
+@pytest.mark.parametrize("kind", AXIS_TYPES)
+def test_decode_greedy_generate_of_the_gpt_model_equals_one_device(kind):
+    """The book's GPTModel on 2x4 generates, from a left-padded batch with its mask, the tokens
+    one device generates (cache steps, then the cropped window past ``context_size``), whether
+    the ids come split over ``data`` or as NumPy (placed by rows, as the decode caches split
+    their batch); the caches are dropped after; a batch the data axis does not divide is
+    refused, naming both. (Untied: this random tied model repeats one token per row.)"""
+    model = _gpt_model(tied=False)
+    rng = np.random.default_rng(22)
+    ids = rng.integers(1, GPT_CFG["vocab_size"], (B, 6))
+    mask = np.ones_like(ids)
+    for row in range(B):
+        ids[row, : row % 4], mask[row, : row % 4] = 0, 0  # rows padded by 0 to 3 tokens
+    expected = np.asarray(generate(model, ids, 14, 12, attention_mask=mask))  # 7 cached steps
+    assert len(np.unique(expected[:, 6:])) > 10, "one device repeats itself: a weak check"
+    mesh = make_mesh((2, 4), kind=kind)
+    sharded = fa.shard(nnx.clone(model), mesh)
+    with jax.set_mesh(mesh):
+        ids_on_mesh, mask_on_mesh = shard_inputs([ids, mask], mesh)
+        got = generate(sharded, ids_on_mesh, 14, 12, attention_mask=mask_on_mesh)
+        plain = generate(sharded, ids, 14, 12, attention_mask=mask)  # NumPy in: placed by rows
+    assert placed_as(got, mesh, P("data")), got.sharding
+    equal = int((np.asarray(got) == expected).sum())
+    print(f"GPTModel 2x4 ({kind}) generate: {equal} of {expected.size} tokens equal one device")
+    np.testing.assert_array_equal(np.asarray(got), expected)
+    np.testing.assert_array_equal(np.asarray(plain), expected)
+    assert all(block.att.cached_key is None for block in sharded.trf_blocks)
+    with pytest.raises(ValueError) as raised, jax.set_mesh(mesh):
+        generate(sharded, ids[:3], 2, 12)
+    assert str(raised.value).startswith(
+        "idx batch (3) must be divisible by the mesh's data axis (2)"
+    ), str(raised.value)
+
+
 @pytest.mark.parametrize("kind", AXIS_TYPES)
 @pytest.mark.parametrize("name", MULTI_HEAD)
 def test_train_mode_dropout_equals_one_device(name, kind):
@@ -486,8 +600,15 @@ def test_orbax_restores_a_checkpoint_onto_another_mesh(name, source, target, kin
             TypeError,
             "mesh (tuple) must be a jax.sharding.Mesh",
         ),
+        (
+            lambda: GPTModel({**GPT_CFG, "n_heads": 2}, rngs=nnx.Rngs(0)),
+            (2, 4),
+            ValueError,
+            "num_heads (2) of trf_blocks.0.att must be divisible by the mesh's model axis (4)",
+        ),
     ],
-    ids=["mha_heads", "annotated_heads", "causal_d_out", "wrapper_head", "v1_d_out", "tuple"],
+    ids=["mha_heads", "annotated_heads", "causal_d_out", "wrapper_head", "v1_d_out", "tuple"]
+    + ["gpt_heads"],
 )
 @pytest.mark.parametrize("kind", AXIS_TYPES)
 def test_shard_refuses_what_does_not_divide_and_moves_nothing(make, mesh_arg, error, message, kind):

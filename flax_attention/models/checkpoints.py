@@ -103,8 +103,9 @@ def config_to_hf(cfg: Mapping) -> dict:
         "use_cache": True,
         "tie_word_embeddings": cfg.get("tie_word_embeddings", False),
     }
-    if cfg["vocab_size"] > 50256:  # GPT-2's <|endoftext|>
-        out["bos_token_id"] = out["eos_token_id"] = 50256
+    # GPT-2's <|endoftext|>, where the vocabulary has it; else null, which transformers'
+    # GPT2Config would otherwise fill with 50256 (outside the vocabulary, warned about on load).
+    out["bos_token_id"] = out["eos_token_id"] = 50256 if cfg["vocab_size"] > 50256 else None
     return out
 
 

@@ -39,8 +39,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
-from flax_attention.axes import place
+from flax_attention.axes import DATA, mesh_axis_size, parameters_mesh, place
 from flax_attention.models.gpt import GPTModel
 
 __all__ = ["generate", "generate_text_simple"]
@@ -122,6 +123,7 @@ def generate(
     # Steps whose window is the whole sequence (tokens + step <= context_size) use the cache.
     cached_steps = min(max_new_tokens, max(0, context_size - tokens + 1))
     cache_length = tokens + cached_steps - 1
+    rows = _rows_sharding(model, batch, cached=cached_steps > 0)
     dropouts = [node for _, node in nnx.iter_graph(model) if isinstance(node, nnx.Dropout)]
     modes = [dropout.deterministic for dropout in dropouts]
     model.eval()
@@ -138,8 +140,8 @@ def generate(
             graphdef,
             params,
             state,
-            jnp.asarray(ids),
-            None if mask is None else jnp.asarray(mask),
+            _on(ids, rows),
+            None if mask is None else _on(mask, rows),
             key,
             jnp.float32(1.0 if greedy else temperature),
             max_new_tokens=max_new_tokens,
@@ -154,6 +156,30 @@ def generate(
         for dropout, deterministic in zip(dropouts, modes):
             dropout.deterministic = deterministic
     return out[:, : int(length)]
+
+
+def _rows_sharding(model, batch: int, *, cached: bool):
+    """Where the token ids and mask go: on a sharded model's mesh, rows over ``data`` as its
+    decode caches split them (``Explicit`` axes refuse to mix the two layouts); else ``None``
+    (the default device)."""
+    mesh = parameters_mesh(model)
+    if mesh is None:
+        return None
+    data = mesh_axis_size(mesh, DATA)
+    if batch % data == 0:
+        return NamedSharding(mesh, PartitionSpec(DATA) if data > 1 else PartitionSpec())
+    if cached:
+        raise ValueError(
+            f"idx batch ({batch}) must be divisible by the mesh's data axis ({data}): the model "
+            "is sharded, and its decode caches split the batch over data"
+        )
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def _on(value: np.ndarray, sharding):
+    """``value`` where ``sharding`` says (``place``: each process its own rows), or on the
+    default device, uncommitted, without one."""
+    return jnp.asarray(value) if sharding is None else place(value, sharding)
 
 
 def _check_count(name, value, *, minimum):
@@ -261,11 +287,11 @@ def _generate(
     """``(tokens (b, t + max_new_tokens), length)``: the first ``length`` columns are the
     result. ``cached_steps`` steps through the decode cache, the rest on the cropped window."""
     batch, prompt = ids.shape
-    total = prompt + max_new_tokens
-    tokens = jnp.zeros((batch, total), jnp.int32).at[:, :prompt].set(ids)  # (b, T)
+    # Padded, not written into new arrays, so they keep the rows' sharding on a mesh.
+    tokens = jnp.pad(ids, ((0, 0), (0, max_new_tokens)))  # (b, T)
     # The mask over every token slot: the prompt's, then ones for the new tokens.
     token_mask = (
-        None if mask is None else jnp.ones((batch, total), jnp.int32).at[:, :prompt].set(mask)
+        None if mask is None else jnp.pad(mask, ((0, 0), (0, max_new_tokens)), constant_values=1)
     )
 
     def choose(logits, step):

@@ -39,7 +39,9 @@ import numbers
 import os
 from collections.abc import Mapping
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from flax_attention._init import linear_factory
@@ -200,6 +202,26 @@ class FeedForward(nnx.Module):
         return self.layers[2](hidden, out_sharding=out_sharding_like(x))  # (b, t, d)
 
 
+def _check_values(in_idx, attention_mask, vocab_size: int) -> None:
+    """Outside ``jit`` (concrete arrays): integer ids below ``vocab_size`` (the lookup fills an
+    id out of range with NaN, which reaches every later position through the attention) and a
+    0/1 mask (a 2 would count as two positions). Traced values go unchecked."""
+    if not isinstance(in_idx, jax.core.Tracer):
+        ids = np.asarray(in_idx)
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise TypeError(f"in_idx (dtype {ids.dtype}) must hold integer token ids")
+        if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+            raise ValueError(
+                f"in_idx (ids {ids.min()}..{ids.max()}) must lie in 0..{vocab_size - 1} "
+                "(vocab_size)"
+            )
+    if attention_mask is not None and not isinstance(attention_mask, jax.core.Tracer):
+        mask = np.asarray(attention_mask)
+        if not np.all((mask == 0) | (mask == 1)):
+            values = sorted({v.item() for v in np.unique(mask)})[:5]
+            raise ValueError(f"attention_mask (values {values}) must hold only 0 and 1")
+
+
 class TransformerBlock(nnx.Module):
     """The book's ``TransformerBlock``: ``x + drop_resid(att(norm1(x)))``, then
     ``x + drop_resid(ff(norm2(x)))``."""
@@ -326,8 +348,11 @@ class GPTModel(nnx.Module):
     def hidden_states(self, in_idx, *, decode: bool = False, attention_mask=None):
         """``in_idx`` ``(b, t)`` -> the final norm's output ``(b, t, d)`` (``__call__`` without
         the head)."""
-        if in_idx.ndim != 2:
-            raise ValueError(f"in_idx.ndim ({in_idx.ndim}, shape {in_idx.shape}) must be 2 (b, t)")
+        if jnp.ndim(in_idx) != 2:
+            raise ValueError(
+                f"in_idx.ndim ({jnp.ndim(in_idx)}, shape {jnp.shape(in_idx)}) must be 2 (b, t)"
+            )
+        _check_values(in_idx, attention_mask, self.cfg["vocab_size"])
         seq_len = in_idx.shape[-1]
         offset = self.trf_blocks[0].att.cache_index[...] if decode else 0
         if attention_mask is None:
