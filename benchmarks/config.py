@@ -69,7 +69,7 @@ class Config:
     #: times one sample reads it.
     bandwidth_mb: int = 1024
     bandwidth_reads: int = 4
-    bandwidth_repeats: int = 5
+    bandwidth_repeats: int = 7
     # prefill: GPTModel's forward against GPT2LMHeadModel's (sdpa), (batch, tokens)
     prefill_shape: tuple[int, int] = (1, 1024)
     prefill_repeats: int = 5
