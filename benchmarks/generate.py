@@ -16,11 +16,13 @@ GPT-2 small's shape (random weights, float32; ``gpt_model`` picks another size),
 - the weight-streaming bound: a decode step reads every weight once (``weight_bytes``: the
   float32 parameters, the tied head's matrix once, one row of the position embedding), so at
   batch ``b`` no step can beat ``b * bandwidth / weight_bytes`` tokens/s. The bandwidth is
-  measured once, at the start of the section: a max over a float32 array of ``bandwidth_mb`` MB
+  measured right before each batch's rounds: a max over a float32 array of ``bandwidth_mb`` MB
   (``gpt_models.readers``) by numpy (one thread), JAX and torch (both cores), round-robin in
   ``bandwidth_repeats`` rounds (the ``read bandwidth`` rows); the fastest reader's median is the
   machine's. (Read inside the generate rounds instead, torch's reader lost a quarter of its
-  speed to the other callables' threads, so the bound is taken where the machine reads best.)
+  speed to the other callables' threads, so the bound is taken where the machine reads best;
+  it still moves with what else the host runs: 35 to 58 GB/s within minutes on the 2-core
+  EPYC.)
   ``ratio``: Flax tokens/s over the bound (whole calls, prefill included; the KV cache read on
   top of the weights is not counted).
 
@@ -85,7 +87,8 @@ def plan_calls(config) -> int:
         + 6 * (config.generate_repeats + 1)  # flatness: 3 implementations x 2 positions
         + (len(PARTS) - 1) * (config.generate_repeats + 1)  # parts (generate's from above)
     )
-    return 3 * config.bandwidth_repeats + per_batch * len(config.generate_batches)
+    per_batch += 3 * (config.bandwidth_repeats + 1)  # the readers, one warm-up each
+    return per_batch * len(config.generate_batches)
 
 
 def _tick(progress, n=1):
@@ -96,27 +99,31 @@ def _tick(progress, n=1):
 def run(config, progress=None) -> list[dict]:
     models = torch_models(config, TORCH_ATTENTIONS)
     model, load_s = flax_model(models["sdpa"])
-    nbytes = weight_bytes(model)
-    calls = readers(config.bandwidth_mb, config.bandwidth_reads)
+    context = {"models": models, "model": model, "load_s": load_s,
+               "nbytes": weight_bytes(model),
+               "readers": readers(config.bandwidth_mb, config.bandwidth_reads)}  # fmt: skip
+    rows = []
+    for batch in config.generate_batches:
+        rows += _run_batch(config, context, batch, progress)
+    return rows
+
+
+def _bandwidth(config, context, case, progress):
+    """``(GB/s, Timing, reader, rows)``: the readers round-robin, the fastest one's median."""
     read_bytes = config.bandwidth_mb * 2**20 * config.bandwidth_reads
-    bandwidth = read_bandwidth(calls, read_bytes, config.bandwidth_repeats)
-    _tick(progress, 3 * config.bandwidth_repeats)
+    bandwidth = read_bandwidth(context["readers"], read_bytes, config.bandwidth_repeats)
+    _tick(progress, 3 * (config.bandwidth_repeats + 1))
     reader = max(bandwidth, key=lambda name: bandwidth[name][0])
     rows = [
         make_row(
-            "generate", "machine", "read bandwidth", name, "max", timing=timing, value=gbs,
+            "generate", case, "read bandwidth", name, "max", timing=timing, value=gbs,
             unit="GB/s",
             note=f"max of {config.bandwidth_mb} MB float32, {config.bandwidth_reads} reads a call"
             + ("; the fastest: the bound's" if name == reader else ""),
         )
         for name, (gbs, timing) in bandwidth.items()
     ]  # fmt: skip
-    del calls  # the arrays read (a GB)
-    context = {"models": models, "model": model, "load_s": load_s, "nbytes": nbytes,
-               "reader": reader, "bandwidth": bandwidth[reader]}  # fmt: skip
-    for batch in config.generate_batches:
-        rows += _run_batch(config, context, batch, progress)
-    return rows
+    return (*bandwidth[reader], reader, rows)
 
 
 def _run_batch(config, context, batch, progress):
@@ -127,6 +134,7 @@ def _run_batch(config, context, batch, progress):
     prompt = rng.integers(0, model.cfg["vocab_size"], (batch, prompt_len)).astype(np.int32)
     prompt_torch = torch.from_numpy(prompt.astype(np.int64))
     case = f"b{batch}_p{prompt_len}_n{steps}"
+    bandwidth, read_timing, reader, rows = _bandwidth(config, context, case, progress)
 
     def flax_generate():
         return generate(model, prompt, steps, context_size)[:, prompt_len:]
@@ -153,7 +161,6 @@ def _run_batch(config, context, batch, progress):
             "the same shapes must reuse the first call's executable"
         )
     per_s = {name: 1e3 * batch * steps / timings[name]["median_ms"] for name in calls}
-    rows = []
     for name in ("generate", *TORCH_ATTENTIONS):
         framework = "flax" if name == "generate" else "torch"
         note = (
@@ -180,15 +187,14 @@ def _run_batch(config, context, batch, progress):
             note="the first generate call: trace, lower and compile (jax.monitoring), once",
         )
     )  # fmt: skip
-    bandwidth, read_timing = context["bandwidth"]
     bound = batch * bandwidth * 1e9 / context["nbytes"]
     rows.append(
         make_row(
             "generate", case, "weight-streaming bound", "flax", "bound", batch=batch,
             tokens=steps, timing=read_timing, value=bound, unit="tokens/s",
             ratio=per_s["generate"] / bound, ratio_of="Flax tokens/s / weight-streaming bound",
-            note=f"{batch} x {bandwidth:.1f} GB/s read ({context['reader']}, the machine row "
-            f"above) / {context['nbytes'] / 1e6:.1f} MB of float32 weights per step",
+            note=f"{batch} x {bandwidth:.1f} GB/s read ({reader}, the read bandwidth row) / "
+            f"{context['nbytes'] / 1e6:.1f} MB of float32 weights per step",
         )
     )  # fmt: skip
     rows += _flatness(config, model, models, batch, case, progress)
