@@ -42,7 +42,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from flax_attention.axes import DATA, mesh_axis_size, parameters_mesh, place
-from flax_attention.models.gpt import GPTModel
+from flax_attention.models.gpt import GPTModel, check_token_ids, check_zero_one
 
 __all__ = ["generate", "generate_text_simple"]
 
@@ -86,7 +86,7 @@ def generate(
     if not isinstance(model, GPTModel):
         raise TypeError(f"model ({type(model).__name__}) must be a GPTModel")
     cfg = model.cfg
-    ids = _check_idx(idx, cfg["vocab_size"], attention_mask is not None)
+    ids = _check_idx(idx, cfg["vocab_size"])
     batch, tokens = ids.shape
     _check_count("max_new_tokens", max_new_tokens, minimum=0)
     _check_count("context_size", context_size, minimum=1)
@@ -189,7 +189,7 @@ def _check_count(name, value, *, minimum):
         raise ValueError(f"{name} ({value}) must be >= {minimum}")
 
 
-def _check_idx(idx, vocab_size: int, padded: bool) -> np.ndarray:
+def _check_idx(idx, vocab_size: int) -> np.ndarray:
     if isinstance(idx, (list, tuple)) and idx and all(isinstance(r, (list, tuple)) for r in idx):
         lengths = sorted({len(row) for row in idx})
         if len(lengths) > 1:
@@ -200,12 +200,7 @@ def _check_idx(idx, vocab_size: int, padded: bool) -> np.ndarray:
     ids = np.asarray(idx)
     if ids.ndim != 2 or ids.shape[1] == 0:
         raise ValueError(f"idx.ndim ({ids.ndim}, shape {ids.shape}) must be 2 (batch, tokens > 0)")
-    if not np.issubdtype(ids.dtype, np.integer):
-        raise TypeError(f"idx (dtype {ids.dtype}) must hold integer token ids")
-    if ids.min() < 0 or ids.max() >= vocab_size:
-        raise ValueError(
-            f"idx (ids {ids.min()}..{ids.max()}) must lie in 0..{vocab_size - 1} (vocab_size)"
-        )
+    check_token_ids("idx", ids, vocab_size)
     return ids.astype(np.int32)
 
 
@@ -215,9 +210,7 @@ def _check_mask(attention_mask, shape) -> np.ndarray:
         raise ValueError(f"attention_mask.shape ({mask.shape}) must equal idx.shape ({shape})")
     if mask.dtype != bool and not np.issubdtype(mask.dtype, np.number):
         raise TypeError(f"attention_mask (dtype {mask.dtype}) must be 0/1 numbers or bools")
-    if not np.all((mask == 0) | (mask == 1)):
-        values = sorted({v.item() for v in np.unique(mask)})[:5]
-        raise ValueError(f"attention_mask (values {values}) must hold only 0 and 1")
+    check_zero_one(mask)
     mask = mask.astype(np.int32)
     bad = np.flatnonzero(np.any(np.diff(mask, axis=1) < 0, axis=1))
     if bad.size:

@@ -202,24 +202,30 @@ class FeedForward(nnx.Module):
         return self.layers[2](hidden, out_sharding=out_sharding_like(x))  # (b, t, d)
 
 
+def check_token_ids(name: str, ids: np.ndarray, vocab_size: int) -> None:
+    """``ids`` (concrete) are integers below ``vocab_size``: the lookup fills an id out of range
+    with NaN, which reaches every later position through the attention."""
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise TypeError(f"{name} (dtype {ids.dtype}) must hold integer token ids")
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+        raise ValueError(
+            f"{name} (ids {ids.min()}..{ids.max()}) must lie in 0..{vocab_size - 1} (vocab_size)"
+        )
+
+
+def check_zero_one(mask: np.ndarray) -> None:
+    """An ``attention_mask`` (concrete) holds only 0 and 1: a 2 would count as two positions."""
+    if not np.all((mask == 0) | (mask == 1)):
+        values = sorted({v.item() for v in np.unique(mask)})[:5]
+        raise ValueError(f"attention_mask (values {values}) must hold only 0 and 1")
+
+
 def _check_values(in_idx, attention_mask, vocab_size: int) -> None:
-    """Outside ``jit`` (concrete arrays): integer ids below ``vocab_size`` (the lookup fills an
-    id out of range with NaN, which reaches every later position through the attention) and a
-    0/1 mask (a 2 would count as two positions). Traced values go unchecked."""
+    """Outside ``jit`` (concrete arrays) the ids and the mask; traced values go unchecked."""
     if not isinstance(in_idx, jax.core.Tracer):
-        ids = np.asarray(in_idx)
-        if not np.issubdtype(ids.dtype, np.integer):
-            raise TypeError(f"in_idx (dtype {ids.dtype}) must hold integer token ids")
-        if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
-            raise ValueError(
-                f"in_idx (ids {ids.min()}..{ids.max()}) must lie in 0..{vocab_size - 1} "
-                "(vocab_size)"
-            )
+        check_token_ids("in_idx", np.asarray(in_idx), vocab_size)
     if attention_mask is not None and not isinstance(attention_mask, jax.core.Tracer):
-        mask = np.asarray(attention_mask)
-        if not np.all((mask == 0) | (mask == 1)):
-            values = sorted({v.item() for v in np.unique(mask)})[:5]
-            raise ValueError(f"attention_mask (values {values}) must hold only 0 and 1")
+        check_zero_one(np.asarray(attention_mask))
 
 
 class TransformerBlock(nnx.Module):
