@@ -24,10 +24,10 @@ from flax_attention.axes import (
 from flax_attention.core import (
     BlockSizes,
     Implementation,
+    attend,
     causal_mask,
     check_block_sizes,
     check_implementation,
-    dot_product_attention,
     masked_softmax,
 )
 
@@ -113,7 +113,7 @@ def causal_attention(
     if cache is not None:  # the whole cache, heads first
         keys, values, offset, fits = decode_cache.append(*cache, keys, values)
         kv_layout = "hsd"
-    context_vec, _ = dot_product_attention(
+    context_vec = attend(
         queries,
         keys,
         values,
@@ -124,7 +124,6 @@ def causal_attention(
         dropout=dropout,
         precision=precision,
         implementation=implementation,
-        need_weights=False,
         block_sizes=block_sizes,
         kv_layout=kv_layout,
     )  # (..., t, h, d)
@@ -142,7 +141,7 @@ class CausalAttention(nnx.Module):
     document (``torch_reference/causal.py``)                  here
     =======================================================  ====================================
     ``keys = self.W_key(x)`` (and queries, values)            the same, as ``(..., t, 1, d_out)``
-    ``attn_scores = queries @ keys.transpose(1, 2)``          ``dot_product_attention`` (core)
+    ``attn_scores = queries @ keys.transpose(1, 2)``          ``attend`` (core)
     ``attn_scores.masked_fill_(self.mask.bool()[:t, :t],      ``is_causal=True``: ``-inf`` where
     -torch.inf)``                                             ``causal_mask`` is ``False``
     ``torch.softmax(attn_scores / keys.shape[-1] ** 0.5)``    ``masked_softmax`` (float32 or wider)

@@ -44,7 +44,7 @@ class MultiHeadAttention(nnx.Module):
     ==================================================  =========================================
     ``keys = self.W_key(x)``, ``.view(b, t, h, d)``      ``_split_heads(self.W_key(x))``
     ``.transpose(1, 2)`` (heads before tokens)           none: the core takes ``(..., t, h, d)``
-    ``attn_scores = queries @ keys.transpose(2, 3)``     ``dot_product_attention`` (core)
+    ``attn_scores = queries @ keys.transpose(2, 3)``     ``attend`` (core)
     ``attn_scores.masked_fill_(mask_bool, -torch.inf)``  ``is_causal=True`` (``-inf`` above the
                                                          diagonal, ``causal_mask``)
     ``torch.softmax(attn_scores / head_dim ** 0.5)``     ``masked_softmax`` (float32 or wider)

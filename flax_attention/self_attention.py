@@ -15,7 +15,7 @@ from flax_attention._checks import check_positive_int
 from flax_attention._init import linear_factory, partitioned, torch_rand
 from flax_attention._inputs import check_input
 from flax_attention.axes import ONE_HEAD, TO_HEADS, constrain
-from flax_attention.core import dot_product_attention, masked_softmax
+from flax_attention.core import attend, masked_softmax
 
 __all__ = [
     "softmax_naive",
@@ -58,7 +58,7 @@ class SelfAttention_v1(nnx.Module):
     document (``torch_reference/self_attention.py``)  here
     ===============================================  ===========================================
     ``keys = x @ self.W_key`` (queries, values)       ``_project``, as ``(..., t, 1, d_out)``
-    ``attn_scores = queries @ keys.T``                ``dot_product_attention`` (core)
+    ``attn_scores = queries @ keys.T``                ``attend`` (core)
     (no mask)                                         no ``mask``, ``is_causal=False``
     ``torch.softmax(attn_scores / d_k ** 0.5)``       ``masked_softmax`` (float32 or wider)
     (no dropout)                                      no ``dropout``
@@ -100,7 +100,7 @@ class SelfAttention_v1(nnx.Module):
         queries = constrain(_project(x, W_query, self.precision)[..., None, :], ONE_HEAD)
         values = constrain(_project(x, W_value, self.precision)[..., None, :], ONE_HEAD)
         # keys, queries, values: (..., t, 1, d_out)
-        context_vec, _ = dot_product_attention(queries, keys, values, precision=self.precision)
+        context_vec = attend(queries, keys, values, precision=self.precision)
         return context_vec[..., 0, :]  # (..., t, d_out)
 
 
@@ -115,7 +115,7 @@ class SelfAttention_v2(nnx.Module):
     document (``torch_reference/self_attention.py``)  here
     ===============================================  ===========================================
     ``keys = self.W_key(x)`` (queries, values)        the same, as ``(..., t, 1, d_out)``
-    ``attn_scores = queries @ keys.T``                ``dot_product_attention`` (core)
+    ``attn_scores = queries @ keys.T``                ``attend`` (core)
     (no mask)                                         no ``mask``, ``is_causal=False``
     ``torch.softmax(attn_scores / d_k ** 0.5,         ``masked_softmax`` over the keys (float32
     dim=1)``                                          or wider)
@@ -156,7 +156,7 @@ class SelfAttention_v2(nnx.Module):
         keys = constrain(self.W_key(x)[..., None, :], ONE_HEAD)  # (..., t, 1, d_out)
         queries = constrain(self.W_query(x)[..., None, :], ONE_HEAD)  # (..., t, 1, d_out)
         values = constrain(self.W_value(x)[..., None, :], ONE_HEAD)  # (..., t, 1, d_out)
-        context_vec, _ = dot_product_attention(queries, keys, values, precision=self.precision)
+        context_vec = attend(queries, keys, values, precision=self.precision)
         return context_vec[..., 0, :]  # (..., t, d_out)
 
 
