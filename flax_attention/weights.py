@@ -375,10 +375,12 @@ class _Piece:
         return value if dtype is None else value.astype(dtype)
 
 
-def _split(name, target: _Target, value: np.ndarray, updates: list, source=None) -> str | None:
-    """Append ``(variable, _Piece)`` for each part of ``value`` to ``updates`` (read from
-    ``source`` when placed, ``value`` itself if ``None``), or return the first problem (a part
-    that overflows, nonzero where the layer has no such bias)."""
+def _cut_fused(name, target: _Target, value: np.ndarray, updates: list, source=None) -> str | None:
+    """Cut a layout key's ``value`` into its parts (a fused key such as GPT-2's ``c_attn``: q,
+    k, v stacked) and append ``(variable, _Piece)`` for each part to ``updates`` (read from
+    ``source`` when placed, ``value`` itself if ``None``); or return the first problem (a part
+    that overflows, nonzero where the layer has no such bias) and append nothing, so a key
+    loads whole or not at all."""
     source = value if source is None else source
     value = value.T if target.transpose else value
     start = 0
@@ -507,7 +509,7 @@ def load_state_dict(
         elif problem is None and target.buffer is None:
             # A file's tensor is read again, by slices, when placed; held values are kept.
             source = values[name] if isinstance(values[name], FileTensor) else None
-            problem = _split(full, target, value, updates, source)
+            problem = _cut_fused(full, target, value, updates, source)
         if problem is not None:
             mismatched.append(full)
             problems.append(problem)
