@@ -467,21 +467,13 @@ def load_state_dict(
         )
     spec = _layout(module, layout)
     _check_prefix(prefix)
-    given = {
+    given = {  # layout key -> the key as offered, prefix included
         key[len(prefix) :]: key
         for key in state_dict.keys()
         if isinstance(key, str) and key.startswith(prefix)
     }
     targets = _targets(module, spec, given)
-    values = {name: state_dict[full] for name, full in given.items()}
-    if (
-        spec.bias_free_when in given
-        and spec.bias_free
-        and not any(name in given for name in spec.bias_free)
-    ):  # a bias-free peer (torch.nn.MultiheadAttention(bias=False)): its biases are zeros
-        for name in spec.bias_free:
-            values[name] = np.zeros(targets[name].layout_shape, np.float32)
-    refused = dict(spec.refused)
+    values = _offered_values(spec, targets, state_dict, given)
     missing = [
         prefix + name
         for name, t in targets.items()
@@ -490,6 +482,34 @@ def load_state_dict(
     unexpected = [full for name, full in given.items() if name not in targets]
     if not prefix:  # a key that is not a string cannot be any layer's
         unexpected += [key for key in state_dict.keys() if not isinstance(key, str)]
+    mismatched, problems, updates = _check_values(targets, values, prefix)
+    if strict and (missing or unexpected or mismatched):
+        raise _strict_error(module, spec, prefix, missing, unexpected, problems)
+    for variable, value in updates:  # all checked: written only now
+        _assign(variable, value)
+    return IncompatibleKeys(missing, unexpected, mismatched)
+
+
+def _offered_values(spec: Layout, targets: dict[str, _Target], state_dict, given: dict) -> dict:
+    """Layout key -> the value offered for it (``given`` maps it to its key in
+    ``state_dict``); a bias-free peer's absent biases as the zeros they stand for."""
+    values = {name: state_dict[full] for name, full in given.items()}
+    if (
+        spec.bias_free_when in given
+        and spec.bias_free
+        and not any(name in given for name in spec.bias_free)
+    ):  # a bias-free peer (torch.nn.MultiheadAttention(bias=False)): its biases are zeros
+        for name in spec.bias_free:
+            values[name] = np.zeros(targets[name].layout_shape, np.float32)
+    return values
+
+
+def _check_values(
+    targets: dict[str, _Target], values: dict, prefix: str
+) -> tuple[list[str], list[str], list[tuple[nnx.Variable, _Piece]]]:
+    """Check every offered value against its target, writing nothing: the mismatched keys
+    (full names), one problem line for each, and ``(variable, _Piece)`` for every parameter
+    of the keys that passed."""
     mismatched: list[str] = []
     problems: list[str] = []
     updates: list[tuple[nnx.Variable, _Piece]] = []
@@ -513,22 +533,24 @@ def load_state_dict(
         if problem is not None:
             mismatched.append(full)
             problems.append(problem)
-    if strict and (missing or unexpected or mismatched):
-        lines = [f"missing key {name}" for name in missing]
-        lines += [
-            f"unexpected key {full}" + (f" ({refused[name]})" if name in refused else "")
-            for name, full in given.items()
-            if name not in targets
-        ]
-        lines += [f"unexpected key {key!r}" for key in unexpected if not isinstance(key, str)]
-        lines += problems
-        raise ValueError(
-            f"load_state_dict into {type(module).__name__} (strict=True) found "
-            f"{len(lines)} problem(s); nothing was loaded:\n  " + "\n  ".join(lines)
-        )
-    for variable, value in updates:
-        _assign(variable, value)
-    return IncompatibleKeys(missing, unexpected, mismatched)
+    return mismatched, problems, updates
+
+
+def _strict_error(module, spec: Layout, prefix: str, missing, unexpected, problems) -> ValueError:
+    """The one error of a strict load that found problems: a line per offending key."""
+    refused = dict(spec.refused)  # a peer's key no layer here takes -> why
+    lines = [f"missing key {name}" for name in missing]
+    for key in unexpected:
+        if not isinstance(key, str):
+            lines.append(f"unexpected key {key!r}")
+            continue
+        name = key[len(prefix) :]
+        lines.append(f"unexpected key {key}" + (f" ({refused[name]})" if name in refused else ""))
+    lines += problems
+    return ValueError(
+        f"load_state_dict into {type(module).__name__} (strict=True) found "
+        f"{len(lines)} problem(s); nothing was loaded:\n  " + "\n  ".join(lines)
+    )
 
 
 def save_file(
