@@ -14,8 +14,8 @@ wants the batch axes ``(b, h)`` leading: in the ``shd`` layout it copies the key
 into that order on every call), ``native`` and ``xla`` swap it back (one copy per call).
 
 The steps are the documents': scores ``q . k``, divided by ``sqrt(d_k)``, masked positions filled
-(``-inf`` for the causal family, ``-1e10`` for document 001), softmax in at least float32 and cast
-back, dropout on the weights, weighted sum of the values.
+(``-inf`` for the causal family, ``-1e10`` for the annotated-transformer post), softmax in at
+least float32 and cast back, dropout on the weights, weighted sum of the values.
 
 Implementations (``implementation=``), all the same function of their inputs:
 

@@ -1,4 +1,5 @@
-"""Self-attention without and with trainable weights (documents 000, 002 and 003), in Flax NNX.
+"""Self-attention without and with trainable weights (the chapter 3 notebook and article, the
+self-attention notebook), in Flax NNX.
 
 Shape legend: ``t`` = ``num_tokens``, ``d_in`` input features, ``d_out`` output features. The
 documents take one sequence ``(num_tokens, d_in)``; these layers also take leading batch axes
@@ -27,12 +28,13 @@ __all__ = [
 
 
 def softmax_naive(x):
-    """Document 003, step 1: ``exp(x) / sum(exp(x))`` over the first axis (no max subtraction)."""
+    """The self-attention notebook, step 1: ``exp(x) / sum(exp(x))`` over the first axis (no max
+    subtraction)."""
     return jnp.exp(x) / jnp.exp(x).sum(axis=0)
 
 
 def simplified_self_attention(inputs, *, precision=None):
-    """Documents 000 and 003: attention without weights.
+    """The chapter 3 notebook and the self-attention notebook: attention without weights.
 
     ``inputs`` ``(num_tokens, d_in)``; returns ``(attn_scores, attn_weights, context_vecs)`` with
     shapes ``(num_tokens, num_tokens)``, ``(num_tokens, num_tokens)``, ``(num_tokens, d_in)``.
@@ -49,7 +51,8 @@ def _project(x, kernel, precision):
 
 
 class SelfAttention_v1(nnx.Module):
-    """Document 003, ``SelfAttention_v1``: raw ``(d_in, d_out)`` matrices drawn like ``torch.rand``.
+    """The self-attention notebook, ``SelfAttention_v1``: raw ``(d_in, d_out)`` matrices drawn like
+    ``torch.rand``.
 
     ``x`` ``(..., num_tokens, d_in)`` -> ``(..., num_tokens, d_out)``. The lines of
     ``torch_reference/self_attention.py`` and the calls that replace them here:
@@ -105,7 +108,8 @@ class SelfAttention_v1(nnx.Module):
 
 
 class SelfAttention_v2(nnx.Module):
-    """Document 003, ``SelfAttention_v2`` (documents 000 and 002 call it ``SelfAttention``).
+    """The self-attention notebook, ``SelfAttention_v2`` (the chapter 3 notebook and article call it
+    ``SelfAttention``).
 
     ``nnx.Linear`` projections with torch's initialisers, optional bias.
     ``x`` ``(..., num_tokens, d_in)`` -> ``(..., num_tokens, d_out)``. The lines of
@@ -160,5 +164,5 @@ class SelfAttention_v2(nnx.Module):
         return context_vec[..., 0, :]  # (..., t, d_out)
 
 
-#: Documents 000 and 002 name the same layer ``SelfAttention``.
+#: The chapter 3 notebook and article name the same layer ``SelfAttention``.
 SelfAttention = SelfAttention_v2

@@ -10,7 +10,7 @@ torch key                   Flax variable                       layout
 ``W_query`` (v1)            ``W_query``                         ``(d_in, d_out)``, unchanged
 ``mask`` (buffer)           derived from ``context_length``     ``triu(ones, diagonal=1)``
 ``heads.{i}.…``             ``heads[i].…``                      wrapper heads
-``proj_weights.{i}.…``      ``proj_weights[i].…``               document 001 projections
+``proj_weights.{i}.…``      ``proj_weights[i].…``               annotated-transformer projections
 ==========================  ==================================  ==========================
 
 Every torch ``nn.Linear`` weight is the transpose of the Flax kernel; everything else keeps its

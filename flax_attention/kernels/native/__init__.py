@@ -173,9 +173,9 @@ def native_attention(
       queries, keys, values: float32 or bfloat16, layout as above.
       attention_mask: the core's one description of what is hidden
         (``flax_attention.masking.AttentionMask``): the caller's keep-mask, its fill (``-inf``:
-        a fully masked row is NaN, as softmax; document 001's ``-1e10``: uniform over the keys
-        causality leaves), causality (hidden keys are ``-inf`` and their key tiles are never
-        computed) and the query offset (an int or a traced int32 scalar).
+        a fully masked row is NaN, as softmax; the annotated-transformer post's ``-1e10``:
+        uniform over the keys causality leaves), causality (hidden keys are ``-inf`` and their
+        key tiles are never computed) and the query offset (an int or a traced int32 scalar).
       precision: accepted for the common signature; the kernel computes in float32.
       dropout_rate: dropout on the weights inside the tiles, kept weights scaled by
         ``1 / (1 - rate)``; the keep-mask is ``dropout_hash.keep_mask(dropout_seed, ...)``.
