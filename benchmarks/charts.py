@@ -9,20 +9,21 @@ check value by value; ``draw(chart, path)`` turns a ``Chart`` into a PNG, and on
 matplotlib (the ``report`` extra), with the headless Agg backend.
 
 What each chart shows (x: the run's cases; one bar per implementation; a line at 1.0, the
-baseline; dashed, the issue's target where there is one):
+baseline; dashed, the target of ``benchmarks.targets`` where there is one):
 
 - ``speed``: time / torch SDPA time (``ratio_vs_sdpa``), one panel per pass (forward,
-  forward+backward); target lines from ``benchmarks.cli.SPEED_TARGETS``.
+  forward+backward); target lines from ``benchmarks.targets.SPEED_TARGETS``.
 - ``memory``: a forward's peak RSS growth / torch SDPA's at the same t (``ratio_vs_sdpa``; the
   training-step rows have no torch counterpart and no ratio).
 - ``decode``: tokens/s / recomputing the full pass per token (``ratio``, ``ratio_of`` "speedup
-  over recompute"; target ``benchmarks.cli.DECODE_SPEEDUP_TARGET``), and ms/token late in the
+  over recompute"; target ``benchmarks.targets.DECODE_SPEEDUP_TARGET``), and ms/token late in the
   cache / early (the row's ``ratio_of``).
 - ``generate``: ``flax_attention.models.generate``'s tokens/s / transformers'
   (``ratio_vs_eager``, ``ratio_vs_sdpa``), its tokens/s / the weight-streaming bound (target
-  ``MODEL_TARGETS["generate b1 / bound"]``), and ms/token late / early for each of the three.
+  ``benchmarks.targets.MODEL_TARGETS["generate b1 / bound"]``), and ms/token late / early for
+  each of the three.
 - ``prefill``, ``train``: Flax time / transformers' (``ratio_vs_sdpa``), one panel per mode;
-  target ``benchmarks.cli.MODEL_TARGETS``.
+  target ``benchmarks.targets.MODEL_TARGETS``.
 
 ``compile`` (seconds, no ratio) and ``targets`` have no chart.
 """
@@ -35,7 +36,8 @@ import json
 import os
 import sys
 
-from benchmarks.cli import DECODE_SPEEDUP_TARGET, MODEL_TARGETS, SPEED_TARGETS
+from benchmarks import INSTALL
+from benchmarks.targets import DECODE_SPEEDUP_TARGET, MODEL_TARGETS, SPEED_TARGETS
 
 __all__ = [
     "CHART_SECTIONS",
@@ -278,8 +280,6 @@ def missing_matplotlib() -> str | None:
 
     if importlib.util.find_spec("matplotlib") is not None:
         return None
-    from conformance_tests.cli import INSTALL
-
     return f"the charts need matplotlib, which is not installed (the 'report' extra):\n{INSTALL}"
 
 

@@ -22,7 +22,7 @@ import types
 import pytest
 
 from benchmarks import ROW_FIELDS, charts
-from benchmarks.cli import DECODE_SPEEDUP_TARGET, MODEL_TARGETS, SPEED_TARGETS, targets
+from benchmarks.targets import DECODE_SPEEDUP_TARGET, MODEL_TARGETS, SPEED_TARGETS, target_rows
 from benchmarks.rows import make_row
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -200,12 +200,12 @@ def test_model_targets_of_hand_made_rows():
         make_row("prefill", "b1_t1024", "all logits", "flax", "GPTModel", ratio_vs_sdpa=1.0),
         make_row("train", "b8_t256", "train step", "flax", "train_step", ratio_vs_sdpa=1.01),
     ]
-    got = [(r["case"], r["value"], r["met"]) for r in targets(rows)]
+    got = [(r["case"], r["value"], r["met"]) for r in target_rows(rows)]
     assert got == [
         ("b1", 1.4, False), ("b8", 2.6, True), ("b1", 0.9, True), ("b1_t1024", 1.0, True),
         ("b8_t256", 1.01, False),
     ]  # fmt: skip
-    text = [r["target"] for r in targets(rows)]
+    text = [r["target"] for r in target_rows(rows)]
     assert all("project goal for the model" in t and "issue" not in t for t in text), text
     assert f">= {MODEL_TARGETS['generate b8 / transformers']:g}x" in text[1]
 
