@@ -13,14 +13,15 @@ array is part of the growth (``4 * t * 768`` bytes).
 The peak is read from ``VmHWM`` in ``/proc/self/status``, the memory map's high-water mark that
 ``getrusage(RUSAGE_SELF).ru_maxrss`` also reports, but without ``ru_maxrss``'s other term: the
 kernel keeps ``signal->maxrss`` across ``fork``/``exec``, so a subprocess of a large parent starts
-with the parent's peak as its ``ru_maxrss`` and a smaller call shows zero growth (measured: 0 MB
-for a 440 MB forward). ``ru_maxrss`` growth is kept in the worker's output and used only where
-``/proc`` is unavailable (the row then says it is a lower bound).
+with the parent's peak as its ``ru_maxrss`` and a smaller call shows zero growth (as measured:
+docs/performance.md, "Measurements behind the benchmarks' own choices"). ``ru_maxrss`` growth is
+kept in the worker's output and used only where ``/proc`` is unavailable (the row then says it is
+a lower bound).
 
 A materialising implementation (Flax ``reference``, torch eager) is started only where its
 measured need fits in ``MemAvailable``: ``2.5`` score-sized ``(h, t, t)`` float32 buffers plus
-1 GiB (measured growth: 2.2 and 3.1 buffers for Flax ``reference`` and torch eager at t = 8192,
-7.0 and 9.8 GB); otherwise its row is skipped with the numbers.
+1 GiB (``3.5`` for torch eager; the growth they were measured at is in docs/performance.md, as
+above); otherwise its row is skipped with the numbers.
 """
 
 from __future__ import annotations
