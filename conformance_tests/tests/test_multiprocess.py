@@ -12,6 +12,7 @@ without a launch: ``place``, ``global_batch``'s refusals, and the launcher's own
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import pathlib
 import runpy
@@ -56,18 +57,24 @@ CASES.update({"orbax 1 process -> 2": True, "orbax 2 processes -> 1": True})
 
 
 @pytest.fixture(scope="module")
-def two_processes(tmp_path_factory, launch_processes):
+def two_processes(once_per_run, launch_processes):
     """The example's three steps: the files and the reference here (one device), ``run`` as 2
     processes x 2 CPU devices (launched once the files exist, while the reference is computed),
-    the comparison here. Returns the table and what process 0 wrote."""
-    out = tmp_path_factory.mktemp("multiprocess")
-    EXAMPLE["prepare"](out)
-    command = [sys.executable, "examples/multiprocess.py", "run", str(out)]
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        running = pool.submit(launch_processes, command, out, 2, 2, 300)
-        EXAMPLE["reference"](out)
-        running.result()  # the launch's failure (every process's log), if it failed
-    return EXAMPLE["compare"](out), dict(np.load(out / "run.npz"))
+    the comparison here (written as ``table.json``). Once per test run (``once_per_run``: under
+    ``-n 2`` the other worker reads the same files). Returns the table and what process 0
+    wrote."""
+
+    def three_steps(out):
+        EXAMPLE["prepare"](out)
+        command = [sys.executable, "examples/multiprocess.py", "run", str(out)]
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            running = pool.submit(launch_processes, command, out, 2, 2, 300)
+            EXAMPLE["reference"](out)
+            running.result()  # the launch's failure (every process's log), if it failed
+        (out / "table.json").write_text(json.dumps(EXAMPLE["compare"](out)))
+
+    out = once_per_run("multiprocess", three_steps)
+    return json.loads((out / "table.json").read_text()), dict(np.load(out / "run.npz"))
 
 
 def test_the_run_spanned_two_processes_of_two_devices(two_processes):
