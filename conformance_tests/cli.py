@@ -1,8 +1,9 @@
 """``python -m conformance_tests``: the parity report on every backend present.
 
 One row per case, check and dtype: case, backend, dtype, check, max abs error, max rel error,
-tolerance, pass/fail. Exits 1 if any row fails. ``--mesh 2x4`` runs the Flax side sharded over a
-device mesh (the backend column says ``cpu[mesh 2x4]``).
+tolerance, the bound the worst tensor was held against (``tol * max(1, max|reference|)``) and its
+error over that bound, pass/fail. Exits 1 if any row fails. ``--mesh 2x4`` runs the Flax side
+sharded over a device mesh (the backend column says ``cpu[mesh 2x4]``).
 
 The report needs torch (and matplotlib for ``--plots``): the ``report`` extra. Without them it
 prints what to install and exits 2, before importing either.
@@ -153,80 +154,76 @@ def _format(row: harness.Row, backend_label: str) -> str:
     status = "PASS" if row.passed else "FAIL"
     return (
         f"{row.case:<30} {backend_label:<12} {row.dtype:<9} {row.check:<20} "
-        f"{row.max_abs_err:>10.2e} {row.max_rel_err:>10.2e} {row.tol:>9.1e}  {status}"
+        f"{row.max_abs_err:>10.2e} {row.max_rel_err:>10.2e} {row.tol:>9.1e} "
+        f"{row.bound:>9.2e} {row.err_over_bound:>9.2e}  {status}"
     )
 
 
+#: ``bound``: the worst tensor's ``tol * max(1, max|reference|)``; ``err/bound``: its max abs
+#: error over that bound (the row passes at most 1).
 HEADER = (
     f"{'case':<30} {'backend':<12} {'dtype':<9} {'check':<20} "
-    f"{'max_abs_err':>10} {'max_rel_err':>10} {'tol':>9}  result"
+    f"{'max_abs_err':>10} {'max_rel_err':>10} {'tol':>9} {'bound':>9} {'err/bound':>9}  result"
 )
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    missing = missing_requirements(plots=bool(args.plots))
-    if missing:
-        print(missing, file=sys.stderr)
-        return 2
-    import jax
+def _backends_to_run(args):
+    """The backends ``args`` ask for, or the message of why not (bad ``--mesh``, none found)."""
+    from conformance_tests import harness  # imported once torch is known to be present
 
-    from conformance_tests import harness
-
-    jax.config.update("jax_numpy_rank_promotion", "raise")  # as in the tests
-    cases = select(args.cases)
-    if not cases:
-        print(f"--cases ({args.cases!r}) matched no case", file=sys.stderr)
-        return 2
-    if args.checks:
-        wanted = set(args.checks.split(","))
-        unknown = wanted - set(CHECKS)
-        if unknown:
-            print(f"--checks ({','.join(sorted(unknown))}) must be in {CHECKS}", file=sys.stderr)
-            return 2
     try:
         mesh = None if args.mesh is None else harness.parse_mesh(args.mesh)
-        found = harness.backends(args.backend, strict=args.precision == "highest", mesh=mesh)
+        return harness.backends(args.backend, strict=args.precision == "highest", mesh=mesh), None
     except ValueError as error:
-        print(error, file=sys.stderr)
-        return 2
+        return None, str(error)
+
+
+def _plan(args):
+    """``(case, check, dtype)`` triples to run, or the message of why the selection is empty or
+    names an unknown check."""
+    from conformance_tests import harness  # imported once torch is known to be present
+
+    cases = select(args.cases)
+    if not cases:
+        return None, f"--cases ({args.cases!r}) matched no case"
+    wanted = set(args.checks.split(",")) if args.checks else set(CHECKS)
+    unknown = wanted - set(CHECKS)
+    if unknown:
+        return None, f"--checks ({','.join(sorted(unknown))}) must be in {CHECKS}"
     dtypes = tuple(args.dtype or DTYPE_CHOICES)
-    plan = [
-        (case, check, dtype)
-        for case, check, dtype in harness.planned(cases, dtypes)
-        if not args.checks or check in wanted
-    ]
-    rows: list[harness.Row] = []
-    skipped: dict[tuple[str, str], str] = {}  # (backend, case) -> why it cannot run sharded
-    start = time.perf_counter()
-    print(HEADER)
-    with tempfile.TemporaryDirectory() as workdir:
-        for backend in found:
-            label = backend.label
-            with progress_bar(len(plan), label) as bar:
-                for case, check, dtype in plan:
-                    bar.update()  # one step per planned check, run or skipped
-                    if (label, case.name) not in skipped:
-                        with backend.scope():
-                            reason = harness.mesh_skip_reason(case, backend)
-                        if reason is not None:
-                            skipped[(label, case.name)] = reason
-                            print(f"{case.name:<30} {label:<12} SKIP: {reason}", flush=True)
-                    if skipped.get((label, case.name)):
-                        continue
-                    bar.status(f"{case.name} {check} {dtype}")
-                    for row in harness.run_case(case, check, backend, dtype, workdir):
-                        row.backend = label
-                        rows.append(row)
-                        if not args.quiet or not row.passed:
-                            print(_format(row, label), flush=True)
-    failed = [r for r in rows if not r.passed]
-    elapsed = time.perf_counter() - start
-    n_skipped = sum(1 for reason in skipped.values() if reason)
-    summary = f"{len(rows) - len(failed)} passed, {len(failed)} failed"
-    if args.mesh:
-        summary += f", {n_skipped} case(s) skipped (sizes that do not divide over the mesh)"
-    print(f"\n{summary} ({elapsed:.1f} s)")
+    plan = [(c, check, d) for c, check, d in harness.planned(cases, dtypes) if check in wanted]
+    return plan, None
+
+
+def _run_backend(backend, plan, workdir, quiet, skipped) -> list[harness.Row]:
+    """The rows of ``plan`` on ``backend``, each printed as it comes (only failures if
+    ``quiet``). A case that cannot run on the backend's mesh is printed once as SKIP and
+    recorded in ``skipped`` (``(backend, case) -> reason``)."""
+    from conformance_tests import harness  # imported once torch is known to be present
+
+    label, rows = backend.label, []
+    with progress_bar(len(plan), label) as bar:
+        for case, check, dtype in plan:
+            bar.update()  # one step per planned check, run or skipped
+            if (label, case.name) not in skipped:
+                with backend.scope():
+                    reason = harness.mesh_skip_reason(case, backend)
+                if reason is not None:
+                    skipped[(label, case.name)] = reason
+                    print(f"{case.name:<30} {label:<12} SKIP: {reason}", flush=True)
+            if skipped.get((label, case.name)):
+                continue
+            bar.status(f"{case.name} {check} {dtype}")
+            for row in harness.run_case(case, check, backend, dtype, workdir):
+                row.backend = label
+                rows.append(row)
+                if not quiet or not row.passed:
+                    print(_format(row, label), flush=True)
+    return rows
+
+
+def _write_outputs(args, rows) -> None:
+    """``--json``: the rows; ``--plots``: the heatmaps."""
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
@@ -237,6 +234,38 @@ def main(argv=None) -> int:
         with tempfile.TemporaryDirectory() as workdir:
             for path in write_heatmaps(args.plots, workdir):
                 print(f"wrote {path}")
+
+
+def main(argv=None) -> int:
+    """The report: 0 if every row passes, 1 if one fails, 2 if nothing could run (what is
+    missing, a bad option, or every case skipped on the mesh)."""
+    args = parse_args(argv)
+    missing = missing_requirements(plots=bool(args.plots))
+    if missing:
+        print(missing, file=sys.stderr)
+        return 2
+    import jax
+
+    jax.config.update("jax_numpy_rank_promotion", "raise")  # as in the tests
+    plan, error = _plan(args)
+    found, error = (None, error) if error else _backends_to_run(args)
+    if error:
+        print(error, file=sys.stderr)
+        return 2
+    rows = []
+    skipped: dict[tuple[str, str], str] = {}  # (backend, case) -> why it cannot run sharded
+    start = time.perf_counter()
+    print(HEADER)
+    with tempfile.TemporaryDirectory() as workdir:
+        for backend in found:
+            rows += _run_backend(backend, plan, workdir, args.quiet, skipped)
+    failed = [r for r in rows if not r.passed]
+    summary = f"{len(rows) - len(failed)} passed, {len(failed)} failed"
+    if args.mesh:
+        n_skipped = sum(1 for reason in skipped.values() if reason)
+        summary += f", {n_skipped} case(s) skipped (sizes that do not divide over the mesh)"
+    print(f"\n{summary} ({time.perf_counter() - start:.1f} s)")
+    _write_outputs(args, rows)
     if not rows:
         print("no case ran: every selected case was skipped on the mesh", file=sys.stderr)
         return 2

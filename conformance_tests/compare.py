@@ -1,12 +1,14 @@
 """Comparison: report rows, and the one rule by which a tensor passes.
 
-A tensor passes when its max abs error <= ``tol * max(1, max|reference|)``; a row compares
-same-named tensors and names the worst.
+A tensor passes when its max abs error <= its bound, ``tol * max(1, max|reference|)``; a row
+compares same-named tensors, names the worst (the one closest to or furthest past its bound) and
+shows that tensor's bound and its error over it, so a row says what ``tol`` was held against.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
@@ -14,12 +16,19 @@ import torch
 
 from conformance_tests.tolerances import tolerance
 
-__all__ = ["Row", "compare", "make_row", "to_numpy"]
+__all__ = ["Comparison", "Row", "compare", "make_row", "to_numpy"]
 
 
 @dataclass
 class Row:
-    """One line of the report (the API's fields, plus which tensor was worst)."""
+    """One line of the report: the API's fields, with the worst tensor's bound (``tol *
+    max(1, its max|reference|)``) and its error over that bound after ``tol`` (the row passes
+    when ``err_over_bound <= 1`` and the check's own conditions hold: finite gradients, the
+    seeds of a dropout draw), and which tensor was worst.
+
+    ``max_abs_err`` and ``max_rel_err`` (the error over ``max|reference|``) are the largest over
+    the row's tensors, not necessarily the worst tensor's: a tensor of scale 100 may err more
+    than the worst tensor and still sit further inside its own bound."""
 
     case: str
     backend: str
@@ -28,11 +37,24 @@ class Row:
     max_abs_err: float
     max_rel_err: float
     tol: float
+    bound: float
+    err_over_bound: float
     passed: bool
     worst: str = ""
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+class Comparison(NamedTuple):
+    """What ``compare`` measured over a row's tensors."""
+
+    max_abs_err: float  # the largest max abs error of any tensor
+    max_rel_err: float  # the largest of each tensor's max abs error over its max|reference|
+    passed: bool  # every tensor within its bound
+    worst: str  # the tensor with the largest error over its bound
+    bound: float  # the worst tensor's bound: tol * max(1, its max|reference|)
+    err_over_bound: float  # the worst tensor's max abs error over its bound
 
 
 def to_numpy(x) -> np.ndarray:
@@ -55,30 +77,32 @@ def _err_and_scale(reference, actual) -> tuple[float, float]:
     return err, float(finite.max()) if finite.size else 0.0
 
 
-def compare(reference: dict, actual: dict, tol: float) -> tuple[float, float, bool, str]:
-    """``(max_abs_err, max_rel_err, passed, worst)`` over same-named tensors.
-
-    A tensor passes when its max abs error <= ``tol * max(1, max|reference|)``;
-    ``max_rel_err`` is the error over ``max|reference|``; ``worst`` names the tensor furthest
-    past (or closest to) its tolerance.
-    """
+def compare(reference: dict, actual: dict, tol: float) -> Comparison:
+    """``Comparison`` of same-named tensors: a tensor passes when its max abs error
+    <= ``tol * max(1, max|reference|)``, its bound."""
     if set(reference) != set(actual):
         raise KeyError(f"tensors differ: {sorted(set(reference) ^ set(actual))}")
-    abs_err, rel_err, passed, worst, worst_ratio = 0.0, 0.0, True, "", -1.0
+    abs_err, rel_err, passed = 0.0, 0.0, True
+    worst, bound, worst_ratio = "", tol, -1.0
     for name in reference:
         err, ref_max = _err_and_scale(reference[name], actual[name])
-        ratio = err / (tol * max(1.0, ref_max))
+        own_bound = tol * max(1.0, ref_max)
+        ratio = err / own_bound
         passed &= ratio <= 1.0
         if ratio > worst_ratio:
-            worst, worst_ratio = name, ratio
+            worst, bound, worst_ratio = name, own_bound, ratio
         abs_err = max(abs_err, err)
         rel_err = max(rel_err, err / ref_max if ref_max > 0 else err)
-    return abs_err, rel_err, bool(passed), worst
+    return Comparison(abs_err, rel_err, bool(passed), worst, bound, max(worst_ratio, 0.0))
 
 
 def make_row(name, backend, dtype, check, reference, actual, tol_key=None, ok=True) -> Row:
     """The row of ``check`` for the case (or pair) called ``name``: ``reference`` against
-    ``actual`` under the tolerance entry ``tol_key`` (default: ``check``) for ``backend``."""
+    ``actual`` under the tolerance entry ``tol_key`` (default: ``check``) for ``backend``;
+    ``ok=False`` fails it whatever the errors (a check's own condition failed)."""
     tol = tolerance(dtype, tol_key or check, backend.precision)
-    abs_err, rel_err, passed, worst = compare(reference, actual, tol)
-    return Row(name, backend.label, dtype, check, abs_err, rel_err, tol, passed and ok, worst)
+    result = compare(reference, actual, tol)
+    return Row(
+        name, backend.label, dtype, check, result.max_abs_err, result.max_rel_err, tol,
+        result.bound, result.err_over_bound, result.passed and ok, result.worst,
+    )  # fmt: skip

@@ -10,7 +10,7 @@ tensor. The parts, one concern each:
 | ``layers.py`` | each layer once, as data (``LayerSpec``): inputs, mask, outputs, dropout |
 | ``backends.py`` | ``Backend``, ``backends()``, meshes; numerics set per check, then restored |
 | ``pairs.py`` | the one pair builder, inputs and masks, calling both sides, ``Subject`` |
-| ``compare.py`` | ``Row``, ``compare`` (the pass rule) |
+| ``compare.py`` | ``Row``, ``compare`` (the pass rule, each tensor's bound), ``make_row`` |
 | ``optimisers.py`` | torch and optax optimisers with matched hyperparameters (Adam as torch's) |
 | ``checks/`` | one module per check: forward, grad, train, dropout, mask, dtype |
 | ``parity.py`` | the same checks on a user's own pair |
@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import tempfile
 
-from conformance_tests import pairs
 from conformance_tests.backends import (
     DEFAULT_PRECISION,
     Backend,
@@ -37,7 +36,7 @@ from conformance_tests.checks.dropout import (
     inject_dropout,
 )
 from conformance_tests.checks.grad import flax_grads, torch_grads
-from conformance_tests.compare import Row, compare, make_row, to_numpy
+from conformance_tests.compare import Comparison, Row, compare, make_row, to_numpy
 from conformance_tests.optimisers import OPTIMIZERS, scale_by_adam_as_torch
 from conformance_tests.pairs import (
     DTYPES,
@@ -49,13 +48,16 @@ from conformance_tests.pairs import (
     make_inputs,
     make_mask,
     mesh_skip_reason,
+    named,
     output_names,
+    prepare,
     subject_of,
 )
 from conformance_tests.spec import Case
 
 __all__ = [
     "CHECK_FUNCTIONS",
+    "Comparison",
     "DEFAULT_PRECISION",
     "DTYPES",
     "OPTIMIZERS",
@@ -75,10 +77,13 @@ __all__ = [
     "make_inputs",
     "make_mask",
     "make_mesh",
+    "make_row",
     "mesh_skip_reason",
+    "named",
     "output_names",
     "parse_mesh",
     "planned",
+    "prepare",
     "run_case",
     "scale_by_adam_as_torch",
     "subject_of",
@@ -115,19 +120,3 @@ def planned(cases, dtypes=("float32", "bfloat16", "float16")):
                         yield case, check, dtype
             elif "float32" in dtypes:
                 yield case, check, "float32"
-
-
-# ---- the older, case-first spellings of pairs' helpers (tests call these) ---------------------
-
-
-def _prepare(case, backend, inputs, mask, dtype="float32"):
-    """``pairs.prepare``: inputs and mask for both sides on ``backend``."""
-    return pairs.prepare(backend, inputs, mask, dtype)
-
-
-def _named(case, outputs) -> dict:
-    return pairs.named(case, outputs)
-
-
-def _row(case, backend, dtype, check, reference, actual, tol_key=None, ok=True) -> Row:
-    return make_row(case.name, backend, dtype, check, reference, actual, tol_key, ok)

@@ -167,6 +167,9 @@ def _dropout_statistics(subject: Subject, backend, f_inputs, f_mask, rate, dtype
     worst = max(z_kept, z_mean)
     passed = bool(z_kept <= tol and z_mean <= tol and scale_err <= 1e-5 and same and other)
     label = f"z_kept={z_kept:.2f} z_mean={z_mean:.2f} scale_err={scale_err:.1e} seed={same}/{other}"
+    # in standard errors: the bound is the entry itself (no scale)
     return Row(
-        subject.name, backend.label, dtype, "dropout/stats", worst, scale_err, tol, passed, label
-    )
+        subject.name, backend.label, dtype, "dropout/stats", max_abs_err=worst,
+        max_rel_err=scale_err, tol=tol, bound=tol, err_over_bound=worst / tol, passed=passed,
+        worst=label,
+    )  # fmt: skip

@@ -41,7 +41,9 @@ def test_default_precision_picks_its_own_tolerances(name, strict, precision, lab
     # an error of 1e-3: far outside float32's tolerance, inside TF32's (2e-3) and bf16's
     reference = {"out": np.zeros((2, 3), np.float32)}
     actual = {"out": np.full((2, 3), 1e-3, np.float32)}
-    row = harness._row(CASE, backend, "float32", "forward", reference, actual, "forward:documents")
+    row = harness.make_row(
+        CASE.name, backend, "float32", "forward", reference, actual, "forward:documents"
+    )
     assert row.backend == label
     if precision is None:
         assert row.tol == tolerance("float32", "forward:documents") and not row.passed

@@ -126,10 +126,11 @@ def _describe(case, dtype, mask) -> str:
     return f"{case.layer}{case.args} on {shapes} ({dtype}{masked}, seed {case.seed})"
 
 
-def _failure(what, case, dtype, mask, err, tol, worst) -> str:
+def _failure(what, case, dtype, mask, result) -> str:
+    """``result`` (a ``harness.Comparison``): the worst tensor, its error over its bound."""
     return (
-        f"{what} of {_describe(case, dtype, mask)}: tensor {worst!r} max abs diff {err:.3e} "
-        f"exceeds tol {tol:.1e} * max(1, max|ref|)"
+        f"{what} of {_describe(case, dtype, mask)}: tensor {result.worst!r} max abs diff "
+        f"{result.err_over_bound:.2f} x its bound {result.bound:.1e} (tol * max(1, max|ref|))"
     )
 
 
@@ -157,8 +158,8 @@ def test_flax_forward_equals_torch(layer, mask, data):
         assert value.shape == tuple(reference[name].shape), f"{name}: shape {value.shape}"
         actual[name] = np.asarray(value).astype(np.float32)
     tol = tolerance(dtype, "forward")
-    err, _, passed, worst = harness.compare(reference, actual, tol)
-    assert passed, _failure("forward", case, dtype, mask, err, tol, worst)
+    result = harness.compare(reference, actual, tol)
+    assert result.passed, _failure("forward", case, dtype, mask, result)
 
 
 @pytest.mark.parametrize(("layer", "mask"), GROUPS, ids=GROUP_IDS)
@@ -180,5 +181,5 @@ def test_flax_gradients_equal_torch(layer, mask, data):
         f"gradients named differently: {set(actual) ^ set(reference)}"
     )
     tol = tolerance("float32", "grad")
-    err, _, passed, worst = harness.compare(reference, actual, tol)
-    assert passed, _failure("gradient", case, dtype, mask, err, tol, worst)
+    result = harness.compare(reference, actual, tol)
+    assert result.passed, _failure("gradient", case, dtype, mask, result)

@@ -67,12 +67,15 @@ def _pair(case, tmp_path, implementation, block_sizes=SMALL_TILES):
     set_implementation(fm, implementation, block_sizes)
     inputs = harness.make_inputs(case)
     mask = harness.make_mask(case, inputs)
-    return tm, fm, *harness._prepare(case, CPU, inputs, mask)
+    return tm, fm, *harness.prepare(CPU, inputs, mask)
 
 
 def _assert_close(reference, actual, tol, what):
-    abs_err, _, passed, worst = harness.compare(reference, actual, tol)
-    assert passed, f"{what}: max_abs_err {abs_err:.3e} > tol {tol:.1e} (worst {worst!r})"
+    result = harness.compare(reference, actual, tol)
+    assert result.passed, (
+        f"{what}: {result.worst!r} max_abs_err over its bound {result.err_over_bound:.2f} "
+        f"(bound {result.bound:.1e}: tol {tol:.1e} * max(1, max|reference|))"
+    )
 
 
 @pytest.mark.parametrize("implementation", FAST)
@@ -81,7 +84,7 @@ def test_layer_forward_equals_torch(case, implementation, tmp_path):
     tm, fm, t_inputs, t_mask, f_inputs, f_mask = _pair(case, tmp_path, implementation)
     with jax.default_matmul_precision("highest"):
         reference = _out_only(
-            case, harness._named(case, harness.call_torch(case, tm, t_inputs, t_mask))
+            case, harness.named(case, harness.call_torch(case, tm, t_inputs, t_mask))
         )
         actual = {"out": harness.call_flax(case, fm, f_inputs, f_mask)[0]}
     key = "forward:documents" if case.uses_documents_input else "forward"

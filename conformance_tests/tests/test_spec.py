@@ -84,6 +84,26 @@ def test_every_layer_spec_matches_both_packages():
         assert len(t_out) == len(f_out) == len(names), (case.name, names)
 
 
+def test_each_tensor_is_held_to_its_own_bound_and_the_row_names_the_worst():
+    """Worked by hand, tol 1e-5 (errors powers of two, exact in float32): ``big`` (max|ref| 100,
+    bound 1e-3) errs 2^-11 = 4.9e-4, 0.49 of its bound; ``small`` (max|ref| 0.5, bound 1e-5: the
+    scale is at least 1) errs 2^-17 = 7.6e-6, 0.76 of its bound. The row passes and its worst
+    tensor is ``small``, although ``big`` has the larger error."""
+    reference = {"big": np.array([100.0, -3.0]), "small": np.array([0.5, 0.0])}
+    actual = {"big": np.array([100.0 + 2**-11, -3.0]), "small": np.array([0.5, 2**-17])}
+    result = harness.compare(reference, actual, 1e-5)
+    assert result.passed and result.worst == "small"
+    assert result.max_abs_err == 2**-11
+    assert result.max_rel_err == 2**-17 / 0.5  # small's; big's is 2^-11 / 100
+    assert result.bound == pytest.approx(1e-5, rel=1e-12)
+    assert result.err_over_bound == pytest.approx(2**-17 / 1e-5, rel=1e-12)
+    actual["big"] = np.array([100.0 + 2**-9, -3.0])  # 2^-9 = 2.0e-3: past its own bound
+    result = harness.compare(reference, actual, 1e-5)
+    assert not result.passed and result.worst == "big"
+    assert result.bound == pytest.approx(1e-3, rel=1e-12)
+    assert result.err_over_bound == pytest.approx(2**-9 / 1e-3, rel=1e-12)
+
+
 # ---- every check can fail ---------------------------------------------------------------------
 
 
@@ -117,6 +137,7 @@ def test_a_corrupted_weight_fails_the_report(corrupt_one_weight, tmp_path, check
     failed = [r for r in rows if not r["passed"]]
     assert failed, rows
     assert all(r["max_abs_err"] > r["tol"] for r in failed), failed
+    assert all(r["err_over_bound"] > 1 for r in failed), failed  # the row says why it failed
     if check == "train":  # the parameter trajectory fails, not only the trained output
         optimisers = [r for r in rows if r["check"] != "train/key_bias"]
         assert optimisers and all(not r["passed"] for r in optimisers), optimisers
@@ -166,5 +187,7 @@ def test_report_rows_have_the_api_fields(tmp_path):
     assert code == 0
     expected = {"case", "backend", "dtype", "check", "max_abs_err", "max_rel_err", "tol", "passed"}
     assert rows and all(expected <= set(r) for r in rows)
+    for r in rows:  # each row shows what tol was held against, and that it held
+        assert r["bound"] >= r["tol"] and r["err_over_bound"] <= 1 and r["passed"], r
     assert {r["dtype"] for r in rows} == {"float32"}
     assert np.isfinite([r["max_abs_err"] for r in rows]).all()

@@ -75,6 +75,8 @@ def _run(monkeypatch, tmp_path, case, check, dtype, backend, corrupt=None):
     monkeypatch.undo()
     compared = [r for r in rows if r.check != "dropout/stats"]
     assert len(compared) == len(worst), (rows, worst)
+    for row, error in zip(compared, worst):  # the row's own account: its worst tensor's error
+        assert row.err_over_bound * row.tol == pytest.approx(error, rel=1e-12, abs=0), row
     # the statistics row is its own measure, in standard errors
     statistics = [r for r in rows if r.check == "dropout/stats"]
     return compared + statistics, worst + [r.max_abs_err for r in statistics]
