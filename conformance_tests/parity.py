@@ -18,12 +18,17 @@ cotangent's gradients w.r.t. every float input and every parameter, by torch nam
 inputs, token ids, stay integers and get none), ``train`` (50 steps, or ``train_steps``, of Adam,
 AdamW and SGD with momentum; parameters compared every 10 steps and after the last, and the
 trained output), ``mask`` (for a causal pair or a given ``mask_kind``: masked positions have no
-influence). Rows are ``harness.Row``s, in the report's format; tolerances are the report's.
+influence). Rows are ``harness.Row``s, in the report's format (each with the bound its worst
+tensor was held against); tolerances are the report's. The keywords are gathered and checked
+once as a ``ParityOptions``.
 """
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -36,11 +41,62 @@ from conformance_tests.compare import Row
 from conformance_tests.layers import LayerSpec
 from conformance_tests.pairs import Subject, is_integer
 
-__all__ = ["PARITY_CHECKS", "assert_parity", "check_parity"]
+__all__ = ["PARITY_CHECKS", "ParityOptions", "assert_parity", "check_parity"]
 
 #: The checks a user's pair can run (``dropout`` and ``dtype`` rebuild the layer with another
 #: rate or dtype, which only the spec's own layers can).
 PARITY_CHECKS = ("forward", "grad", "train", "mask")
+
+
+@dataclass(frozen=True)
+class ParityOptions:
+    """``check_parity``'s keywords (documented there), checked when made: a bad one is a
+    ``ValueError`` or ``TypeError`` naming it, its value and what was expected."""
+
+    mask: Any = None
+    layout: str = "documents"
+    key_map: dict[str, str] | None = None
+    weights: tuple | None = None
+    torch_output: Callable | None = None
+    checks: Sequence[str] = ("forward", "grad", "train")
+    name: str | None = None
+    causal: bool = False
+    mask_kind: str | None = None
+    seed: int = 0
+    backend: Backend | None = None
+    train_steps: int = 50
+    reference_dtype: str = "float32"
+    shift_invariant: dict | None = None
+
+    def __post_init__(self):
+        unknown = [c for c in self.checks if c not in PARITY_CHECKS]
+        if unknown:
+            raise ValueError(f"checks ({unknown}) must be some of {PARITY_CHECKS}")
+        weights, key_map, layout = self.weights, self.key_map, self.layout
+        if weights is not None and (key_map or layout != "documents"):
+            raise ValueError(
+                f"weights (load, export) replaces layout ({layout!r}) and key_map ({key_map!r}): "
+                "pass one or the other"
+            )
+        if weights is not None and (len(weights) != 2 or not all(map(callable, weights))):
+            raise TypeError(f"weights ({weights!r}) must be a pair of callables (load, export)")
+        steps = self.train_steps
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"train_steps ({steps!r}) must be a positive int")
+        if self.reference_dtype not in ("float32", "float64"):
+            raise ValueError(
+                f"reference_dtype ({self.reference_dtype!r}) must be 'float32' or 'float64'"
+            )
+
+    def check_inputs(self, inputs) -> list[np.ndarray]:
+        """The inputs as the checks take them (integer ones, token ids, stay integers; the
+        others float32), refused where these options cannot use them."""
+        inputs = [np.asarray(x) if is_integer(x) else np.asarray(x, np.float32) for x in inputs]
+        if self.reference_dtype == "float64" and not all(is_integer(x) for x in inputs):
+            raise ValueError("reference_dtype 'float64' takes integer inputs (token ids) only")
+        if "mask" in self.checks and any(is_integer(x) for x in inputs):
+            raise ValueError("the mask check perturbs float inputs: integer inputs cannot take it")
+        return inputs
 
 
 def _layout_keywords(layout: str) -> dict:
@@ -129,50 +185,73 @@ def check_parity(
         (the key third of a fused QKV bias); the ``train`` check leaves it out (its gradient is
         rounding noise, which Adam scales up); a separate key bias is recognised by name.
     """
-    unknown = [c for c in checks if c not in PARITY_CHECKS]
-    if unknown:
-        raise ValueError(f"checks ({unknown}) must be some of {PARITY_CHECKS}")
-    if weights is not None and (key_map or layout != "documents"):
-        raise ValueError(
-            f"weights (load, export) replaces layout ({layout!r}) and key_map ({key_map!r}): "
-            "pass one or the other"
-        )
-    if weights is not None and (len(weights) != 2 or not all(map(callable, weights))):
-        raise TypeError(f"weights ({weights!r}) must be a pair of callables (load, export)")
-    if isinstance(train_steps, bool) or not isinstance(train_steps, int) or train_steps < 1:
-        raise ValueError(f"train_steps ({train_steps!r}) must be a positive int")
-    inputs = [np.asarray(x) if is_integer(x) else np.asarray(x, np.float32) for x in inputs]
-    if reference_dtype not in ("float32", "float64"):
-        raise ValueError(f"reference_dtype ({reference_dtype!r}) must be 'float32' or 'float64'")
-    if reference_dtype == "float64" and not all(is_integer(x) for x in inputs):
-        raise ValueError("reference_dtype 'float64' takes integer inputs (token ids) only")
-    if "mask" in checks and any(is_integer(x) for x in inputs):
-        raise ValueError("the mask check perturbs float inputs: integer inputs cannot take it")
-    mask = None if mask is None else np.asarray(mask)
+    options = ParityOptions(
+        mask=mask, layout=layout, key_map=key_map, weights=weights, torch_output=torch_output,
+        checks=checks, name=name, causal=causal, mask_kind=mask_kind, seed=seed, backend=backend,
+        train_steps=train_steps, reference_dtype=reference_dtype, shift_invariant=shift_invariant,
+    )  # fmt: skip
+    subject = _subject(torch_module, flax_module, options.check_inputs(inputs), options)
+    backend = options.backend or backends(["cpu"])[0]
+    rows = []
+    with backend.scope():
+        for check in options.checks:
+            rows.extend(CHECK_FUNCTIONS[check](subject, backend, "float32"))
+    return rows
+
+
+def _subject(torch_module, flax_module, inputs, options: ParityOptions) -> Subject:
+    """The pair as the checks see it: copies of both modules (the ones passed in are not
+    changed), the Flax copy holding the torch module's weights, in eval mode."""
+    mask = None if options.mask is None else np.asarray(options.mask)
     torch_module = copy.deepcopy(torch_module).eval()
     state = {k: v.detach().cpu().numpy() for k, v in torch_module.state_dict().items()}
     flax_module = nnx.clone(flax_module)
-    if weights is not None:
-        load, export = weights
+    if options.weights is not None:
+        load, export = options.weights
         load(flax_module, state)
     else:
-        load, export = _layout_transfer(flax_module, state, layout, key_map)
+        load, export = _layout_transfer(flax_module, state, options.layout, options.key_map)
     flax_module.eval()
+    layer = _layer_spec(torch_module, inputs, mask, options)
+    return Subject(
+        name=layer.name,
+        layer_spec=layer,
+        make_pair=_pair_maker(torch_module, flax_module, options.reference_dtype),
+        inputs=inputs,
+        mask=mask,
+        mask_kind=options.mask_kind,
+        seed=options.seed,
+        export=export,
+        load=load,
+        torch_output=options.torch_output,
+        train_steps=options.train_steps,
+        shift_invariant=dict(options.shift_invariant or {}),
+    )
+
+
+def _layer_spec(torch_module, inputs, mask, options: ParityOptions) -> LayerSpec:
+    """How to call the pair: the inputs in order (the last two give keys and values), the mask
+    after them, and as many outputs as one call of the torch module returns."""
     with torch.no_grad():
         out = torch_module(
             *(torch.from_numpy(x) for x in inputs),
             *([] if mask is None else [torch.from_numpy(mask)]),
         )
-    out = out if torch_output is None else torch_output(out)
+    out = out if options.torch_output is None else options.torch_output(out)
     count = len(out) if isinstance(out, tuple) else 1
-    layer = LayerSpec(
-        name or type(torch_module).__name__,
+    return LayerSpec(
+        options.name or type(torch_module).__name__,
         inputs=tuple(f"input.{i}" for i in range(len(inputs))),
         key_inputs=tuple(range(len(inputs)))[-2:] if len(inputs) > 1 else (0,),
         takes_mask=mask is not None,
         outputs=("out",) + tuple(f"output.{i}" for i in range(1, count)),
-        causal=causal,
+        causal=options.causal,
     )
+
+
+def _pair_maker(torch_module, flax_module, reference_dtype: str):
+    """``Subject.make_pair`` for a user's pair: fresh copies, the torch one in float64 when the
+    reference is; the Flax one sharded over ``mesh`` when given."""
 
     def make_pair(*, dtype="float32", dropout=None, dropout_seed=None, mesh=None):
         if dtype != "float32" or dropout is not None or dropout_seed is not None:
@@ -185,37 +264,20 @@ def check_parity(
             fa.shard(pair[1], mesh)
         return pair
 
-    subject = Subject(
-        name=layer.name,
-        layer_spec=layer,
-        make_pair=make_pair,
-        inputs=inputs,
-        mask=mask,
-        mask_kind=mask_kind,
-        seed=seed,
-        export=export,
-        load=load,
-        torch_output=torch_output,
-        train_steps=train_steps,
-        shift_invariant=dict(shift_invariant or {}),
-    )
-    backend = backend or backends(["cpu"])[0]
-    rows = []
-    with backend.scope():
-        for check in checks:
-            rows.extend(CHECK_FUNCTIONS[check](subject, backend, "float32"))
-    return rows
+    return make_pair
 
 
 def assert_parity(torch_module, flax_module, inputs, **options) -> list[Row]:
     """``check_parity``, raising ``AssertionError`` that names every failing row (its check, the
-    worst tensor, its error and tolerance); returns the rows when all pass."""
+    worst tensor, its error over its bound, the bound and the tolerance); returns the rows when
+    all pass."""
     rows = check_parity(torch_module, flax_module, inputs, **options)
     failed = [r for r in rows if not r.passed]
     if failed:
         lines = [
-            f"{r.case} {r.check}: worst tensor {r.worst!r} max_abs_err {r.max_abs_err:.3e} "
-            f"(tol {r.tol:.1e})"
+            f"{r.case} {r.check}: worst tensor {r.worst!r} at {r.err_over_bound:.2f} x its bound "
+            f"{r.bound:.1e} (tol {r.tol:.1e} * max(1, max|reference|)); max_abs_err "
+            f"{r.max_abs_err:.3e}"
             for r in failed
         ]
         raise AssertionError(
