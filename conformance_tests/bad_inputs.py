@@ -76,7 +76,7 @@ _ANNOTATED = (2, 4, 0.0)  # MultiHeadedAttention(num_heads=2, d_model=4, dropout
 _Q, _KV = (
     (2, 3, 4),
     (2, 5, 4),
-)  # document 001's query (b, q_len, d_model), key/value (b, k_len, ...)
+)  # the annotated-transformer post's query (b, q_len, d_model), key/value (b, k_len, ...)
 
 BAD_INPUTS: list[BadInput] = [
     # ---- constructor arguments ----
@@ -248,7 +248,7 @@ BAD_INPUTS: list[BadInput] = [
         TypeError,
         r"^value\.dtype \(int32\) must be a floating dtype",
     ),
-    # ---- masks (document 001) ----
+    # ---- masks (the annotated-transformer post) ----
     BadInput(
         "mask_2d",
         *call("MultiHeadedAttention", _ANNOTATED, _Q, _KV, _KV, mask=(3, 5)),
@@ -281,7 +281,7 @@ BAD_INPUTS: list[BadInput] = [
         TypeError,
         r"^mask\.dtype \(complex64\) must be bool or a real number dtype$",
     ),
-    # ---- query/key/value that do not fit together (document 001) ----
+    # ---- query/key/value that do not fit together (the annotated-transformer post) ----
     BadInput(
         "key_batch_mismatch",
         *call("MultiHeadedAttention", _ANNOTATED, _Q, (1, 5, 4), (1, 5, 4)),

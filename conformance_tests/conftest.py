@@ -5,8 +5,8 @@ Hypothesis profiles for ``tests/test_fuzz.py``, chosen with ``HYPOTHESIS_PROFILE
 
 - ``ci``: derandomised (the same examples on every run, so CI is never flaky), no example
   database, no deadline; ``FUZZ_EXAMPLES`` forward examples per group of test_fuzz.py (9 groups:
-  every layer, document 001's once per mask kind) and a third as many gradient examples: 207 in
-  all, about 70 s on 2 CPU cores.
+  every layer, the annotated-transformer post's once per mask kind) and a third as many
+  gradient examples: 207 in all, about 70 s on 2 CPU cores.
 - ``dev``: random examples, 10x as many; ``HYPOTHESIS_PROFILE=dev python -m pytest
   conformance_tests/tests/test_fuzz.py`` (about 12 minutes on 2 cores). A failure prints the
   ``@reproduce_failure`` blob to paste above the test.

@@ -1,14 +1,16 @@
 """The documents' input and every value they print, as NumPy data.
 
-Each value cites its document and cell; the seed and call sequence that produce it are in the
-test that reproduces it (``tests/test_documents.py``). The documents print 4 decimals, so a
-reproduction agrees within half a unit in the last place (``PRINTED_ATOL``). Known errata
-(document 002's 7x7 matrix, its "0.7074") are not here.
+Each value cites its document, by the name ``torch_reference``'s table gives it, and cell; the
+seed and call sequence that produce it are in the test that reproduces it
+(``tests/test_documents.py``). The documents print 4 decimals, so a reproduction agrees within
+half a unit in the last place (``PRINTED_ATOL``). Known errata (the chapter 3 article's 7x7
+matrix, its "0.7074") are not here.
 """
 
 import numpy as np
 
-#: "Your journey starts with one step", 6 tokens of 3 features (documents 000, 002, 003, 004).
+#: "Your journey starts with one step", 6 tokens of 3 features (every document but the
+#: annotated-transformer post).
 INPUTS = np.array(
     [
         [0.43, 0.15, 0.89],  # Your     (x^1)
@@ -23,15 +25,17 @@ INPUTS = np.array(
 
 PRINTED_ATOL = 5e-5
 
-# document 000 In[2], document 003 In[2]: scores of "journey" (inputs @ query)
+# the chapter 3 notebook In[2], the self-attention notebook In[2]: scores of "journey"
+# (inputs @ query)
 ATTN_SCORES_JOURNEY = np.array([0.9544, 1.4950, 1.4754, 0.8434, 0.7070, 1.0865])
-# document 000 In[3], document 003: torch.softmax and softmax_naive of those scores
+# the chapter 3 notebook In[3], the self-attention notebook: torch.softmax and softmax_naive of
+# those scores
 ATTN_WEIGHTS_JOURNEY = np.array([0.1385, 0.2379, 0.2333, 0.1240, 0.1082, 0.1581])
-# document 003: naive normalisation attn_scores_2 / attn_scores_2.sum()
+# the self-attention notebook: naive normalisation attn_scores_2 / attn_scores_2.sum()
 ATTN_WEIGHTS_JOURNEY_SUM_NORMALISED = np.array([0.1455, 0.2278, 0.2249, 0.1285, 0.1077, 0.1656])
-# document 000 In[4], document 003: context vector of "journey"
+# the chapter 3 notebook In[4], the self-attention notebook: context vector of "journey"
 CONTEXT_VEC_JOURNEY = np.array([0.4419, 0.6515, 0.5683])
-# document 003 (and 002): the full score matrix inputs @ inputs.T
+# the self-attention notebook (and the chapter 3 article): the full score matrix inputs @ inputs.T
 ATTN_SCORES = np.array(
     [
         [0.9995, 0.9544, 0.9422, 0.4753, 0.4576, 0.6310],
@@ -42,7 +46,7 @@ ATTN_SCORES = np.array(
         [0.6310, 1.0865, 1.0605, 0.6565, 0.2935, 0.9450],
     ]
 )
-# document 000 In[5]: all six context vectors
+# the chapter 3 notebook In[5]: all six context vectors
 CONTEXT_VECS = np.array(
     [
         [0.4421, 0.5931, 0.5790],
@@ -54,9 +58,10 @@ CONTEXT_VECS = np.array(
     ]
 )
 
-# seed 123, three torch.rand(3, 2) matrices W_query, W_key, W_value (documents 000 and 003)
-QUERY_JOURNEY_SEED123 = np.array([0.4306, 1.4551])  # document 000 In[7]
-KEYS_SEED123 = np.array(  # document 000 In[8]
+# seed 123, three torch.rand(3, 2) matrices W_query, W_key, W_value (the chapter 3 notebook and
+# the self-attention notebook)
+QUERY_JOURNEY_SEED123 = np.array([0.4306, 1.4551])  # the chapter 3 notebook In[7]
+KEYS_SEED123 = np.array(  # the chapter 3 notebook In[8]
     [
         [0.3669, 0.7646],
         [0.4433, 1.1419],
@@ -66,7 +71,7 @@ KEYS_SEED123 = np.array(  # document 000 In[8]
         [0.3275, 0.9642],
     ]
 )
-VALUES_SEED123 = np.array(  # document 000 In[8]
+VALUES_SEED123 = np.array(  # the chapter 3 notebook In[8]
     [
         [0.1855, 0.8812],
         [0.3951, 1.0037],
@@ -76,14 +81,14 @@ VALUES_SEED123 = np.array(  # document 000 In[8]
         [0.3221, 0.7863],
     ]
 )
-ATTN_SCORE_22_SEED123 = 1.8524  # document 003: query_2.dot(keys_2)
+ATTN_SCORE_22_SEED123 = 1.8524  # the self-attention notebook: query_2.dot(keys_2)
 ATTN_SCORES_JOURNEY_SEED123 = np.array(
     [1.2705, 1.8524, 1.8111, 1.0795, 0.5577, 1.5440]
-)  # 000 In[9]
+)  # the chapter 3 notebook In[9]
 ATTN_WEIGHTS_JOURNEY_SEED123 = np.array([0.1500, 0.2264, 0.2199, 0.1311, 0.0906, 0.1820])  # In[10]
-CONTEXT_VEC_JOURNEY_SEED123 = np.array([0.3061, 0.8210])  # document 000 In[11]
+CONTEXT_VEC_JOURNEY_SEED123 = np.array([0.3061, 0.8210])  # the chapter 3 notebook In[11]
 
-# document 003 In[4]: torch.manual_seed(123); SelfAttention_v1(3, 2)(inputs)
+# the self-attention notebook In[4]: torch.manual_seed(123); SelfAttention_v1(3, 2)(inputs)
 SELF_ATTENTION_V1_SEED123 = np.array(
     [
         [0.2996, 0.8053],
@@ -94,7 +99,7 @@ SELF_ATTENTION_V1_SEED123 = np.array(
         [0.2990, 0.8040],
     ]
 )
-# document 003 In[5]: torch.manual_seed(789); SelfAttention_v2(3, 2)(inputs)
+# the self-attention notebook In[5]: torch.manual_seed(789); SelfAttention_v2(3, 2)(inputs)
 SELF_ATTENTION_V2_SEED789 = np.array(
     [
         [-0.0739, 0.0713],
@@ -105,7 +110,7 @@ SELF_ATTENTION_V2_SEED789 = np.array(
         [-0.0754, 0.0693],
     ]
 )
-# document 000 In[13]: torch.manual_seed(123); SelfAttention(3, 2)(inputs)
+# the chapter 3 notebook In[13]: torch.manual_seed(123); SelfAttention(3, 2)(inputs)
 SELF_ATTENTION_SEED123 = np.array(
     [
         [-0.5337, -0.1051],
@@ -116,7 +121,7 @@ SELF_ATTENTION_SEED123 = np.array(
         [-0.5299, -0.1081],
     ]
 )
-# document 000 In[14] and In[15]: the causal weights of that SelfAttention, both methods
+# the chapter 3 notebook In[14] and In[15]: the causal weights of that SelfAttention, both methods
 CAUSAL_ATTN_WEIGHTS = np.array(
     [
         [1.0000, 0.0000, 0.0000, 0.0000, 0.0000, 0.0000],
@@ -127,7 +132,7 @@ CAUSAL_ATTN_WEIGHTS = np.array(
         [0.1624, 0.1709, 0.1706, 0.1654, 0.1625, 0.1682],
     ]
 )
-# document 000 In[16]: torch.manual_seed(123); torch.nn.Dropout(0.5)(CAUSAL_ATTN_WEIGHTS)
+# the chapter 3 notebook In[16]: torch.manual_seed(123); torch.nn.Dropout(0.5)(CAUSAL_ATTN_WEIGHTS)
 CAUSAL_ATTN_WEIGHTS_DROPOUT_SEED123 = np.array(
     [
         [2.0000, 0.0000, 0.0000, 0.0000, 0.0000, 0.0000],
@@ -140,5 +145,9 @@ CAUSAL_ATTN_WEIGHTS_DROPOUT_SEED123 = np.array(
 )
 
 # printed shapes
-CAUSAL_BATCH_SHAPE = (2, 6, 2)  # document 000 In[19]: CausalAttention(3, 2, 6, 0.0)(batch)
-WRAPPER_BATCH_SHAPE = (2, 6, 4)  # document 000 In[20]: wrapper, 2 heads of d_out 2
+CAUSAL_BATCH_SHAPE = (
+    2,
+    6,
+    2,
+)  # the chapter 3 notebook In[19]: CausalAttention(3, 2, 6, 0.0)(batch)
+WRAPPER_BATCH_SHAPE = (2, 6, 4)  # the chapter 3 notebook In[20]: wrapper, 2 heads of d_out 2

@@ -27,7 +27,7 @@ class LayerSpec:
       is_function: a weight-free function (its trailing call arguments are the case's ``args``)
         rather than a class with weights.
       inputs: the names of the positional inputs, in order (``("x",)`` for self-attention,
-        ``("query", "key", "value")`` for document 001).
+        ``("query", "key", "value")`` for the annotated-transformer post).
       key_inputs: indices of the inputs that the keys and values come from (a change there can
         only reach the outputs through the attention weights).
       takes_mask: the caller's mask is the positional argument after the inputs (``1`` =
@@ -37,8 +37,9 @@ class LayerSpec:
         broadcasts it over its heads.
       outputs: the names of what the call returns, in order (a single array is ``("out",)``).
       kept_outputs: outputs the layer keeps as an attribute of that name after the call rather
-        than returning them (document 001's ``attention_score``); they follow ``outputs``. The
-        Flax layer keeps one only while its ``keep_<name>`` option (if it has one) is true.
+        than returning them (the annotated-transformer post's ``attention_score``); they follow
+        ``outputs``. The Flax layer keeps one only while its ``keep_<name>`` option (if it has
+        one) is true.
       weights_output: the name of the output (returned or kept) that holds the attention
         weights, or ``None``.
       params: what each positional constructor argument means, by the documents' names; the
@@ -139,7 +140,8 @@ LAYER_SPECS: dict[str, LayerSpec] = {
             weights_output="attention_score",
             params=("num_heads", "d_model", "dropout"),
             dropout_arg=2,
-            dropout_on=_WEIGHTS_DROPOUT + " (document 001's attention(..., dropout))",
+            dropout_on=_WEIGHTS_DROPOUT
+            + " (the annotated-transformer post's attention(..., dropout))",
             equal_clones="proj_weights",
         ),
         # ---- weight-free functions ----

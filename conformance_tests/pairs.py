@@ -130,8 +130,8 @@ def build_pair(
 
     For the tests: ``workdir=None`` hands the weights over in memory (``load_state_dict``)
     instead of through a file; ``distinct_clones`` re-initialises the sublayers that the torch
-    constructor deep-copies (``LayerSpec.equal_clones``: document 001's four projections start
-    equal), so each has its own weights; ``abstract`` builds the Flax side with
+    constructor deep-copies (``LayerSpec.equal_clones``: the annotated-transformer post's four
+    projections start equal), so each has its own weights; ``abstract`` builds the Flax side with
     ``nnx.eval_shape`` (no initialisation to compile: every weight comes from torch; eval only,
     its dropout has no key to draw from).
     """

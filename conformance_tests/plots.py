@@ -33,7 +33,8 @@ def _spy(owner, attr, captured):
     return original
 
 
-#: Document 001's layer on the documents' input needs d_model = 3: one head, a causal mask.
+#: The annotated-transformer post's layer on the documents' input needs d_model = 3: one head,
+#: a causal mask.
 ANNOTATED_PLOT_CASE = Case(
     "plot_annotated", "MultiHeadedAttention", (1, 3, 0.0), ((1, 6, 3),) * 3, "causal", seed=123
 )
@@ -62,7 +63,7 @@ def attention_weights_pair(case, workdir):
         fm(*args)
     finally:
         core.masked_softmax = original
-    if case.layer == "MultiHeadedAttention":  # document 001 keeps its weights
+    if case.layer == "MultiHeadedAttention":  # the annotated-transformer post keeps its weights
         t_captured, f_captured = [tm.attention_score.numpy()], [np.asarray(fm.attention_score[...])]
     return t_captured[-1].reshape(-1, 6, 6)[0], f_captured[-1].reshape(-1, 6, 6)[0]
 

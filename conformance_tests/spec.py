@@ -9,10 +9,12 @@ dtype and check; bad inputs in ``bad_inputs.py``.
 
 Masks (``MultiHeadedAttention`` and ``attention``; the causal family masks itself):
 
-- ``"causal"``: ``tril(ones(t, s))`` as ``(1, t, s)`` (document 001's ``__main__``).
+- ``"causal"``: ``tril(ones(t, s))`` as ``(1, t, s)`` (the annotated-transformer post's
+  ``__main__``).
 - ``"padding"``: ``(b, 1, s)``, each batch row keeps a random prefix of at least one key.
 - ``"fully_masked_row"``: causal, with query row 0 of batch 0 masked everywhere (every score is
-  ``-1e10``, so that row's weights are uniform over all keys: document 001's behaviour).
+  ``-1e10``, so that row's weights are uniform over all keys: the annotated-transformer post's
+  behaviour).
 """
 
 from __future__ import annotations
@@ -96,14 +98,14 @@ CASES: tuple[Case, ...] = (
         "softmax_naive",
         inputs=((6,),),
         checks=_FUNCTION_CHECKS,
-        note="document 003: the naive softmax on random scores",
+        note="the self-attention notebook: the naive softmax on random scores",
     ),
     Case(
         "doc_simplified_self_attention",
         "simplified_self_attention",
         inputs=DOCUMENTS,
         checks=_FUNCTION_CHECKS,
-        note="documents 000/003: weight-free self-attention",
+        note="the chapter 3 and self-attention notebooks: weight-free self-attention",
     ),
     Case(
         "causal_renormalized_fn",
@@ -111,7 +113,7 @@ CASES: tuple[Case, ...] = (
         args=(2,),
         inputs=((6, 6),),
         checks=_FUNCTION_CHECKS,
-        note="document 000: causal mask after softmax, rows renormalised",
+        note="the chapter 3 notebook: causal mask after softmax, rows renormalised",
     ),
     Case(
         "causal_masked_fill_fn",
@@ -119,7 +121,7 @@ CASES: tuple[Case, ...] = (
         args=(2,),
         inputs=((6, 6),),
         checks=_FUNCTION_CHECKS,
-        note="document 000: -inf above the diagonal before softmax",
+        note="the chapter 3 notebook: -inf above the diagonal before softmax",
     ),
     Case(
         "doc_v1_seed123",
@@ -128,7 +130,7 @@ CASES: tuple[Case, ...] = (
         DOCUMENTS,
         seed=123,
         checks=_UNMASKED,
-        note="document 003: SelfAttention_v1(3, 2) after seed 123",
+        note="the self-attention notebook: SelfAttention_v1(3, 2) after seed 123",
     ),
     Case(
         "doc_v2_seed789",
@@ -137,7 +139,7 @@ CASES: tuple[Case, ...] = (
         DOCUMENTS,
         seed=789,
         checks=_UNMASKED,
-        note="document 003: SelfAttention_v2(3, 2) after seed 789",
+        note="the self-attention notebook: SelfAttention_v2(3, 2) after seed 789",
     ),
     Case(
         "doc_selfattention_seed123",
@@ -146,7 +148,7 @@ CASES: tuple[Case, ...] = (
         DOCUMENTS,
         seed=123,
         checks=_UNMASKED,
-        note="document 000: SelfAttention(3, 2) after seed 123",
+        note="the chapter 3 notebook: SelfAttention(3, 2) after seed 123",
     ),
     Case(
         "doc_causal_batch",
@@ -155,7 +157,8 @@ CASES: tuple[Case, ...] = (
         DOCUMENTS_BATCH,
         seed=123,
         dropout=0.5,
-        note="documents 000/004: CausalAttention on the (2, 6, 3) batch",
+        note="the chapter 3 notebook and the CausalAttention listing: CausalAttention on the "
+        "(2, 6, 3) batch",
     ),
     Case(
         "doc_wrapper_2heads",
@@ -164,7 +167,7 @@ CASES: tuple[Case, ...] = (
         DOCUMENTS_BATCH,
         seed=123,
         dropout=0.5,
-        note="document 000: the wrapper with 2 heads -> (2, 6, 4)",
+        note="the chapter 3 notebook: the wrapper with 2 heads -> (2, 6, 4)",
     ),
     Case(
         "doc_mha_2heads",
@@ -173,7 +176,7 @@ CASES: tuple[Case, ...] = (
         DOCUMENTS_BATCH,
         seed=123,
         dropout=0.5,
-        note="documents 000/002: MultiHeadAttention on the documents' batch",
+        note="the chapter 3 notebook and article: MultiHeadAttention on the documents' batch",
     ),
     Case(
         "doc_annotated_main",
@@ -183,7 +186,7 @@ CASES: tuple[Case, ...] = (
         "causal",
         seed=0,
         dropout=0.1,
-        note="document 001 __main__: b 6, seq_len 3, d_model 8, causal",
+        note="the annotated-transformer post's __main__: b 6, seq_len 3, d_model 8, causal",
     ),
     # ---- random configurations ---------------------------------------------------------------
     Case(
@@ -305,7 +308,8 @@ CASES: tuple[Case, ...] = (
         inputs=((2, 3, 4, 5), (2, 3, 6, 5), (2, 3, 6, 7)),
         mask="padding",
         checks=_FUNCTION_CHECKS,
-        note="document 001's attention(): cross lengths, v_dim != k_dim, padding mask",
+        note="the annotated-transformer post's attention(): cross lengths, v_dim != k_dim, "
+        "padding mask",
     ),
     # ---- GPT-2 small sizes (forward and grad only: the float32 parity claim at scale) ---------
     Case(
@@ -352,7 +356,7 @@ CASES: tuple[Case, ...] = (
         "causal",
         checks=("forward",),
         tags=("large",),
-        note="GPT-2 small sizes through document 001's layer",
+        note="GPT-2 small sizes through the annotated-transformer post's layer",
     ),
 )
 

@@ -20,8 +20,8 @@ def check_mask(subject: Subject, backend, dtype="float32") -> list[Row]:
     - causal (every causal layer, and a caller's causal mask): changing the key inputs from
       position ``k`` on leaves the outputs before ``k`` exactly as they were;
     - padding: changing masked keys and values leaves every output as it was;
-    - fully masked row (document 001): that row's weights are ``1 / k_len`` everywhere and every
-      output and gradient is finite.
+    - fully masked row (the annotated-transformer post): that row's weights are ``1 / k_len``
+      everywhere and every output and gradient is finite.
     Each side is compared with itself (before/after), so the expected error is 0.
     """
     layer, kind = subject.layer_spec, subject.mask_kind
