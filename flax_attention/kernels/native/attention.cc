@@ -196,6 +196,19 @@ void ParallelFor(ffi::ThreadPool& pool, int64_t n, const Body& body) {
   state->cv.wait(lock, [&] { return state->done.load() == n; });
 }
 
+// ---- the widest vectors this CPU has, chosen when the library is loaded ----------------------
+// One library for every x86-64 machine: the compiler builds each function marked WIDEST_VECTORS
+// three times, for x86-64-v4 (AVX-512), x86-64-v3 (AVX2, FMA) and baseline x86-64, with the row
+// passes above inlined into each copy (flatten), and the dynamic loader picks the widest copy
+// this CPU runs once, at load (an ifunc). The BLAS dispatches on its own. setup.py defines
+// FLAX_ATTENTION_ONE_ARCH when FLAX_ATTENTION_MARCH names one -march: then one plain copy.
+#if defined(__x86_64__) && defined(__GLIBC__) && !defined(FLAX_ATTENTION_ONE_ARCH)
+#define WIDEST_VECTORS \
+  __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default"), flatten))
+#else
+#define WIDEST_VECTORS
+#endif
+
 thread_local std::vector<float> scratch;  // per thread: one task's tiles
 
 float* Scratch(size_t size) {
@@ -205,6 +218,7 @@ float* Scratch(size_t size) {
 
 // ---- forward -------------------------------------------------------------------------------
 
+WIDEST_VECTORS
 void ForwardBlock(const Attention& a, int64_t b, int64_t hd, int64_t i0, float* out, float* M,
                   float* L) {
   const int64_t rows = std::min(a.bq, a.t - i0);
@@ -264,6 +278,7 @@ void ForwardBlock(const Attention& a, int64_t b, int64_t hd, int64_t i0, float* 
 
 // ---- backward ------------------------------------------------------------------------------
 
+WIDEST_VECTORS
 void BackwardHead(const Attention& a, int64_t b, int64_t hd, const float* out, const float* M,
                   const float* L, const float* d_out, float* dq, float* dk, float* dv) {
   const int64_t ldk = a.heads * a.dk, ldv = a.heads * a.dv;
