@@ -201,8 +201,10 @@ void ParallelFor(ffi::ThreadPool& pool, int64_t n, const Body& body) {
 // three times, for x86-64-v4 (AVX-512), x86-64-v3 (AVX2, FMA) and baseline x86-64, with the row
 // passes above inlined into each copy (flatten), and the dynamic loader picks the widest copy
 // this CPU runs once, at load (an ifunc). The BLAS dispatches on its own. setup.py defines
-// FLAX_ATTENTION_ONE_ARCH when FLAX_ATTENTION_MARCH names one -march: then one plain copy.
-#if defined(__x86_64__) && defined(__GLIBC__) && !defined(FLAX_ATTENTION_ONE_ARCH)
+// FLAX_ATTENTION_ONE_ARCH when FLAX_ATTENTION_MARCH names one -march: then one plain copy, as
+// with compilers before GCC 12 (no x86-64-v3/v4 clones), clang, and other machines.
+#if defined(__x86_64__) && defined(__GLIBC__) && !defined(__clang__) && __GNUC__ >= 12 && \
+    !defined(FLAX_ATTENTION_ONE_ARCH)
 #define WIDEST_VECTORS \
   __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default"), flatten))
 #else
