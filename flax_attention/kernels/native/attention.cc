@@ -382,11 +382,9 @@ ffi::Error Decode(Attention& a, F32x4 q, F32x4 k,
   a.scale = 1.0f / std::sqrt(float(a.dk));
   a.seed = *seed.typed_data(), a.drop_threshold = drop_threshold, a.drop_scale = drop_scale;
   a.batch_index = batch_index.typed_data(), a.head_index = head_index.typed_data();
-  // Tiles of 64 query rows (128 from 2048 queries) by 512 keys. Measured on a 2-core AMD EPYC
-  // (Zen 4), GPT-2 small heads, causal, forward time / torch SDPA: at b8 t256 64 rows 0.56-0.62
-  // against 128 rows 0.71-0.77 (fewer rows waste less of the causal diagonal); at b1 t4096 128
-  // rows 0.97 against 64 rows 1.04 (more rows make sgemm faster); whole rows in one tile (the
-  // first version) 1.05-1.07 at t4096. Key tiles of 256 to 1024 measured the same.
+  // Tiles of 64 query rows (128 from 2048 queries) by 512 keys: fewer rows waste less of the
+  // causal diagonal, more make sgemm faster (measured: docs/performance.md, "The native
+  // kernel's tiles").
   a.bq = block_q > 0 ? block_q : (a.t >= 2048 ? 128 : 64);
   a.bk = block_k > 0 ? block_k : 512;
   if (a.bq > kMaxRows)
