@@ -27,6 +27,13 @@ the whole model: ``GPTModel.from_pretrained`` of the transformers model's ``save
 and its outputs are compared with torch before timing; rows record the max difference.
 """
 
+#: How to install what ``python -m benchmarks`` needs (the ``report`` extra, torch's CPU build
+#: first), from the clone's root: the package is not installed, it runs where it lies.
+INSTALL = (
+    "  pip install torch==2.13.0  # first: the CPU build (else pip may pull a multi-GB CUDA one)\n"
+    "  pip install -e '.[report]'  # from the clone's root, where python -m benchmarks runs"
+)
+
 #: The keys of every JSON row (``None`` where a field does not apply to the row's section).
 ROW_FIELDS = (
     "section",  # speed | memory | decode | compile | generate | prefill | train | targets
@@ -46,7 +53,7 @@ ROW_FIELDS = (
     "ratio_vs_sdpa",  # time / torch-SDPA time, same run (speed, memory)
     "ratio",  # another ratio, described by ratio_of (decode speedup, flatness, targets)
     "ratio_of",
-    "target",  # the issue's target this row checks (section "targets"), else None
+    "target",  # the target this row checks (section "targets"; benchmarks.targets), else None
     "met",  # whether it is met (section "targets"), else None
     "max_abs_diff",  # max |flax - torch| over outputs (and gradients), None if not compared
     "max_rel_diff",  # max over tensors of max|diff| / max(1, max|torch|)

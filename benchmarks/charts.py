@@ -9,20 +9,21 @@ check value by value; ``draw(chart, path)`` turns a ``Chart`` into a PNG, and on
 matplotlib (the ``report`` extra), with the headless Agg backend.
 
 What each chart shows (x: the run's cases; one bar per implementation; a line at 1.0, the
-baseline; dashed, the issue's target where there is one):
+baseline; dashed, the target of ``benchmarks.targets`` where there is one):
 
 - ``speed``: time / torch SDPA time (``ratio_vs_sdpa``), one panel per pass (forward,
-  forward+backward); target lines from ``benchmarks.cli.SPEED_TARGETS``.
+  forward+backward); target lines from ``benchmarks.targets.SPEED_TARGETS``.
 - ``memory``: a forward's peak RSS growth / torch SDPA's at the same t (``ratio_vs_sdpa``; the
   training-step rows have no torch counterpart and no ratio).
 - ``decode``: tokens/s / recomputing the full pass per token (``ratio``, ``ratio_of`` "speedup
-  over recompute"; target ``benchmarks.cli.DECODE_SPEEDUP_TARGET``), and ms/token late in the
+  over recompute"; target ``benchmarks.targets.DECODE_SPEEDUP_TARGET``), and ms/token late in the
   cache / early (the row's ``ratio_of``).
 - ``generate``: ``flax_attention.models.generate``'s tokens/s / transformers'
   (``ratio_vs_eager``, ``ratio_vs_sdpa``), its tokens/s / the weight-streaming bound (target
-  ``MODEL_TARGETS["generate b1 / bound"]``), and ms/token late / early for each of the three.
+  ``benchmarks.targets.MODEL_TARGETS["generate b1 / bound"]``), and ms/token late / early for
+  each of the three.
 - ``prefill``, ``train``: Flax time / transformers' (``ratio_vs_sdpa``), one panel per mode;
-  target ``benchmarks.cli.MODEL_TARGETS``.
+  target ``benchmarks.targets.MODEL_TARGETS``.
 
 ``compile`` (seconds, no ratio) and ``targets`` have no chart.
 """
@@ -35,7 +36,8 @@ import json
 import os
 import sys
 
-from benchmarks.cli import DECODE_SPEEDUP_TARGET, MODEL_TARGETS, SPEED_TARGETS
+from benchmarks import INSTALL
+from benchmarks.targets import DECODE_SPEEDUP_TARGET, MODEL_TARGETS, SPEED_TARGETS
 
 __all__ = [
     "CHART_SECTIONS",
@@ -140,92 +142,126 @@ def chart_data(rows: list[dict], section: str) -> Chart:
             f"section ({section!r}) must be one with ratios to chart ({', '.join(CHART_SECTIONS)})"
         )
     rows = [r for r in rows if r["section"] == section]
-    panels = []
     match section:
         case "speed":
-            for mode in _unique(r["mode"] for r in rows):
-                mine = [r for r in _with(rows, "ratio_vs_sdpa", mode=mode)
-                        if r["implementation"] != "sdpa"]  # fmt: skip
-                target = SPEED_TARGETS.get(mode)
-                panels.append(
-                    _panel(mine, "ratio_vs_sdpa", mode, "time / torch SDPA time (< 1: faster)",
-                           "torch SDPA", target, f"target <= {target:g}" if target else "")
-                )  # fmt: skip
-            title = "Speed: time / torch SDPA, same run"
+            panels, title = _speed_panels(rows)
         case "memory":
-            for mode in _unique(r["mode"] for r in rows):
-                mine = [r for r in _with(rows, "ratio_vs_sdpa", mode=mode)
-                        if r["implementation"] != "sdpa"]  # fmt: skip
-                panels.append(
-                    _panel(mine, "ratio_vs_sdpa", mode, "peak RSS growth / torch SDPA's",
-                           "torch SDPA")
-                )  # fmt: skip
-            title = "Memory: peak RSS growth of one forward / torch SDPA's, fresh process each"
+            panels, title = _memory_panels(rows)
         case "decode":
-            for ratio_of in _unique(r["ratio_of"] for r in rows if r["ratio_of"]):
-                mine = [r for r in _with(rows, "ratio", ratio_of=ratio_of)
-                        if r["implementation"] != "recompute"]  # fmt: skip
-                speedup = ratio_of == "speedup over recompute"
-                panels.append(
-                    _panel(
-                        mine, "ratio",
-                        "tokens/s over recomputing the full pass per token" if speedup
-                        else "flatness: time per token late in the cache / early",
-                        ratio_of, "recompute" if speedup else "flat",
-                        DECODE_SPEEDUP_TARGET if speedup else None,
-                        f"target >= {DECODE_SPEEDUP_TARGET:g}" if speedup else "",
-                        label=lambda key: {"generate": "flax generate",
-                                           "kv_cache": "torch kv_cache"}.get(key, key),
-                    )
-                )  # fmt: skip
-            title = "Decode: generation with a cache"
+            panels, title = _decode_panels(rows)
         case "generate":
-            flax = _with(rows, "ratio_vs_sdpa", framework="flax", mode="generate")
-            # The Flax row holds both ratios; one series per transformers attention.
-            as_bars = [
-                {**r, "implementation": name, "framework": "torch", "ratio": r[f"ratio_vs_{name}"]}
-                for name in ("eager", "sdpa")
-                for r in flax
-            ]
-            panels.append(
-                _panel(as_bars, "ratio", "new tokens/s, Flax generate / transformers generate",
-                       "Flax tokens/s / transformers' (> 1: faster)",
-                       "transformers", label=lambda key: f"over transformers {key}")
-            )  # fmt: skip
-            goal = MODEL_TARGETS["generate b1 / bound"]
-            panels.append(
-                _panel(_with(rows, "ratio", implementation="bound"), "ratio",
-                       "new tokens/s / the weight-streaming bound (b x bandwidth / weight bytes)",
-                       "fraction of the bound", "the bound", goal, f"b1 target >= {goal:g}",
-                       label=lambda key: "Flax generate")
-            )  # fmt: skip
-            for ratio_of in _unique(r["ratio_of"] for r in rows if r["unit"] == "ms/token"):
-                panels.append(
-                    _panel(_with(rows, "ratio", ratio_of=ratio_of), "ratio",
-                           "flatness: time per token late in the sequence / early", ratio_of,
-                           "flat", label=lambda key: {"generate": "Flax GPTModel"}.get(
-                               key, f"transformers {key}"))
-                )  # fmt: skip
-            title = "Generate: flax_attention.models vs transformers generate"
+            panels, title = _generate_panels(rows)
         case "prefill" | "train":
-            key = "prefill / transformers" if section == "prefill" else "train step / transformers"
-            goal = MODEL_TARGETS[key]
-            for mode in _unique(r["mode"] for r in rows):
-                panels.append(
-                    _panel(_with(rows, "ratio_vs_sdpa", mode=mode, framework="flax"),
-                           "ratio_vs_sdpa", mode, "Flax time / transformers' (< 1: faster)",
-                           "transformers sdpa", goal, f"target <= {goal:g}",
-                           label=lambda key: f"Flax {key}")
-                )  # fmt: skip
-            title = (
-                "Prefill: GPTModel forward / GPT2LMHeadModel's (sdpa)"
-                if section == "prefill"
-                else "Train: one optimiser step, Flax train_step / transformers + torch AdamW"
-            )
+            panels, title = _prefill_train_panels(rows, section)
     panels = [p for p in panels if p.groups]
     if not panels:
         raise ValueError(f"rows hold no measured ratio of section ({section!r})")
     return Chart(section, title, tuple(panels))
+
+
+def _speed_panels(rows):
+    """``(panels, title)``: time / torch SDPA, one panel per pass."""
+    panels = []
+    for mode in _unique(r["mode"] for r in rows):
+        mine = [r for r in _with(rows, "ratio_vs_sdpa", mode=mode)
+                if r["implementation"] != "sdpa"]  # fmt: skip
+        target = SPEED_TARGETS.get(mode)
+        panels.append(
+            _panel(mine, "ratio_vs_sdpa", mode, "time / torch SDPA time (< 1: faster)",
+                   "torch SDPA", target, f"target <= {target:g}" if target else "")
+        )  # fmt: skip
+    title = "Speed: time / torch SDPA, same run"
+    return panels, title
+
+
+def _memory_panels(rows):
+    """``(panels, title)``: a forward's peak growth / torch SDPA's."""
+    panels = []
+    for mode in _unique(r["mode"] for r in rows):
+        mine = [r for r in _with(rows, "ratio_vs_sdpa", mode=mode)
+                if r["implementation"] != "sdpa"]  # fmt: skip
+        panels.append(
+            _panel(mine, "ratio_vs_sdpa", mode, "peak RSS growth / torch SDPA's",
+                   "torch SDPA")
+        )  # fmt: skip
+    title = "Memory: peak RSS growth of one forward / torch SDPA's, fresh process each"
+    return panels, title
+
+
+def _decode_panels(rows):
+    """``(panels, title)``: the speedup over recomputing, and the flatness."""
+    panels = []
+    for ratio_of in _unique(r["ratio_of"] for r in rows if r["ratio_of"]):
+        mine = [r for r in _with(rows, "ratio", ratio_of=ratio_of)
+                if r["implementation"] != "recompute"]  # fmt: skip
+        speedup = ratio_of == "speedup over recompute"
+        panels.append(
+            _panel(
+                mine, "ratio",
+                "tokens/s over recomputing the full pass per token" if speedup
+                else "flatness: time per token late in the cache / early",
+                ratio_of, "recompute" if speedup else "flat",
+                DECODE_SPEEDUP_TARGET if speedup else None,
+                f"target >= {DECODE_SPEEDUP_TARGET:g}" if speedup else "",
+                label=lambda key: {"generate": "flax generate",
+                                   "kv_cache": "torch kv_cache"}.get(key, key),
+            )
+        )  # fmt: skip
+    title = "Decode: generation with a cache"
+    return panels, title
+
+
+def _generate_panels(rows):
+    """``(panels, title)``: tokens/s over transformers', over the bound, and the flatness."""
+    panels = []
+    flax = _with(rows, "ratio_vs_sdpa", framework="flax", mode="generate")
+    # The Flax row holds both ratios; one series per transformers attention.
+    as_bars = [
+        {**r, "implementation": name, "framework": "torch", "ratio": r[f"ratio_vs_{name}"]}
+        for name in ("eager", "sdpa")
+        for r in flax
+    ]
+    panels.append(
+        _panel(as_bars, "ratio", "new tokens/s, Flax generate / transformers generate",
+               "Flax tokens/s / transformers' (> 1: faster)",
+               "transformers", label=lambda key: f"over transformers {key}")
+    )  # fmt: skip
+    goal = MODEL_TARGETS["generate b1 / bound"]
+    panels.append(
+        _panel(_with(rows, "ratio", implementation="bound"), "ratio",
+               "new tokens/s / the weight-streaming bound (b x bandwidth / weight bytes)",
+               "fraction of the bound", "the bound", goal, f"b1 target >= {goal:g}",
+               label=lambda key: "Flax generate")
+    )  # fmt: skip
+    for ratio_of in _unique(r["ratio_of"] for r in rows if r["unit"] == "ms/token"):
+        panels.append(
+            _panel(_with(rows, "ratio", ratio_of=ratio_of), "ratio",
+                   "flatness: time per token late in the sequence / early", ratio_of,
+                   "flat", label=lambda key: {"generate": "Flax GPTModel"}.get(
+                       key, f"transformers {key}"))
+        )  # fmt: skip
+    title = "Generate: flax_attention.models vs transformers generate"
+    return panels, title
+
+
+def _prefill_train_panels(rows, section):
+    """``(panels, title)``: Flax time / transformers', one panel per mode."""
+    panels = []
+    key = "prefill / transformers" if section == "prefill" else "train step / transformers"
+    goal = MODEL_TARGETS[key]
+    for mode in _unique(r["mode"] for r in rows):
+        panels.append(
+            _panel(_with(rows, "ratio_vs_sdpa", mode=mode, framework="flax"),
+                   "ratio_vs_sdpa", mode, "Flax time / transformers' (< 1: faster)",
+                   "transformers sdpa", goal, f"target <= {goal:g}",
+                   label=lambda key: f"Flax {key}")
+        )  # fmt: skip
+    title = (
+        "Prefill: GPTModel forward / GPT2LMHeadModel's (sdpa)"
+        if section == "prefill"
+        else "Train: one optimiser step, Flax train_step / transformers + torch AdamW"
+    )
+    return panels, title
 
 
 def charted_sections(rows: list[dict]) -> list[str]:
@@ -278,8 +314,6 @@ def missing_matplotlib() -> str | None:
 
     if importlib.util.find_spec("matplotlib") is not None:
         return None
-    from conformance_tests.cli import INSTALL
-
     return f"the charts need matplotlib, which is not installed (the 'report' extra):\n{INSTALL}"
 
 

@@ -11,37 +11,12 @@ import shlex
 import sys
 import time
 
+from benchmarks.charts import missing_matplotlib, write_charts
 from benchmarks.config import FULL, QUICK, SECTIONS, parse_shape
-from benchmarks.rows import make_row
-from conformance_tests.cli import progress_bar
+from benchmarks.progress import progress_bar
+from benchmarks.targets import target_rows
 
-__all__ = [
-    "DECODE_SPEEDUP_TARGET",
-    "MODEL_TARGETS",
-    "SPEED_TARGETS",
-    "main",
-    "parse_args",
-    "targets",
-]
-
-#: The issue's goals for the default implementation, time / torch SDPA time per pass (the
-#: ``targets`` rows and the speed chart's target lines both read them).
-SPEED_TARGETS = {"forward": 0.9, "forward+backward": 1.0}
-#: Decoding with the cache: at least this many times the tokens/s of recomputing the full pass.
-DECODE_SPEEDUP_TARGET = 5.0
-#: The whole model's goals, set by the project when flax_attention.models was benchmarked
-#: (sections generate, prefill, train): generate's tokens/s over transformers' (the faster of
-#: its eager and sdpa) at batch 1 and 8, batch 1's tokens/s as a fraction of the
-#: weight-streaming bound, and prefill's and a training step's time over transformers' (sdpa).
-MODEL_TARGETS = {
-    "generate b1 / transformers": 1.5,
-    "generate b1 / bound": 0.85,
-    "generate b8 / transformers": 2.5,
-    "prefill / transformers": 1.0,
-    "train step / transformers": 1.0,
-}
-#: How the targets rows name where each goal comes from.
-MODEL_TARGET_SOURCE = "project goal for the model"
+__all__ = ["build_config", "format_section", "main", "parse_args"]
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -65,8 +40,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=",".join(SECTIONS),
         help=f"comma-separated subset of {','.join(SECTIONS)} (default: all)",
     )
+    default_shapes = ",".join(f"b{b}t{t}" for b, t in FULL.speed_shapes)
     parser.add_argument(
-        "--shapes", metavar="LIST", help="speed shapes, e.g. b8t256,b1t4096 (default: the issue's)"
+        "--shapes", metavar="LIST", help=f"speed shapes (default: {default_shapes})"
     )
     parser.add_argument(
         "--repeats", type=int, metavar="N", help="timed calls per measurement (all sections)"
@@ -209,82 +185,6 @@ def format_section(section: str, rows: list[dict]) -> str:
     return f"{title}\n{_table(headers, lines)}\n"
 
 
-# ---- targets ------------------------------------------------------------------------------------
-
-
-def _find(rows, **match):
-    return [r for r in rows if all(r.get(k) == v for k, v in match.items())]
-
-
-def targets(rows: list[dict]) -> list[dict]:
-    """Rows of section ``targets``: each issue target with the measured value and whether met."""
-    out = []
-
-    def add(target, value, unit, met, case=None):
-        out.append(
-            make_row("targets", case, None, "flax", "default", value=value, unit=unit,
-                     target=target, met=met, skipped=value is None)
-        )  # fmt: skip
-
-    for mode in ("forward", "forward+backward"):
-        for row in _find(rows, section="speed", implementation="default", mode=mode):
-            if row["skipped"]:
-                continue
-            speedup = 1.0 / row["ratio_vs_eager"]
-            if row["tokens"] >= 1024:
-                add(f"{row['case']} {mode}: >= 1.5x faster than torch eager (milestone)",
-                    speedup, "x", speedup >= 1.5, row["case"])  # fmt: skip
-            goal = SPEED_TARGETS[mode]
-            add(f"{row['case']} {mode}: time / torch SDPA <= {goal} (goal)",
-                row["ratio_vs_sdpa"], "", row["ratio_vs_sdpa"] <= goal, row["case"])  # fmt: skip
-    for row in _find(rows, section="memory", implementation="default"):
-        if row["mode"] != "forward":
-            value = row["value"]
-            if row["tokens"] == 8192:
-                add(f"b1 t8192 {row['mode']}: peak growth < 1.5 GB", value, "MB",
-                    None if value is None else value < 1500.0, row["case"])  # fmt: skip
-            continue
-        if row["tokens"] == 8192:
-            value = row["value"]
-            add("b1 t8192 forward: peak growth < 1.5 GB", value, "MB",
-                None if value is None else value < 1500.0, row["case"])  # fmt: skip
-        if row["tokens"] == 32768:
-            add("b1 t32768 forward runs on this machine", row["value"], "MB",
-                not row["skipped"], row["case"])  # fmt: skip
-    for row in _find(rows, section="decode", implementation="generate", mode="generate"):
-        if not row["skipped"]:
-            add(f"{row['case']} decode: >= {DECODE_SPEEDUP_TARGET:g}x tokens/s of recomputing",
-                row["ratio"], "x", row["ratio"] >= DECODE_SPEEDUP_TARGET, row["case"])  # fmt: skip
-    for row in _find(rows, section="compile", implementation="default"):
-        add(f"{row['case']} default forward: compile < 1 s", row["value"], "s",
-            row["value"] < 1.0, row["case"])  # fmt: skip
-    _model_targets(rows, add)
-    return out
-
-
-def _model_targets(rows, add) -> None:
-    """The ``MODEL_TARGETS`` rows, through ``targets``' ``add``."""
-    source = MODEL_TARGET_SOURCE
-    for row in _find(rows, section="generate", implementation="generate", mode="generate"):
-        batch = row["batch"]
-        if batch not in (1, 8):
-            continue
-        goal = MODEL_TARGETS[f"generate b{batch} / transformers"]
-        speedup = min(row["ratio_vs_eager"], row["ratio_vs_sdpa"])
-        add(f"{row['case']} generate: >= {goal:g}x the tokens/s of transformers' faster "
-            f"attention ({source})", speedup, "x", speedup >= goal, row["case"])  # fmt: skip
-    for row in _find(rows, section="generate", implementation="bound", batch=1):
-        goal = MODEL_TARGETS["generate b1 / bound"]
-        add(f"{row['case']} generate: >= {goal:g} of the weight-streaming bound ({source})",
-            row["ratio"], "", row["ratio"] >= goal, row["case"])  # fmt: skip
-    for section in ("prefill", "train"):
-        goal = MODEL_TARGETS["prefill / transformers" if section == "prefill"
-                             else "train step / transformers"]  # fmt: skip
-        for row in _find(rows, section=section, framework="flax"):
-            add(f"{row['case']} {row['mode']}: time / transformers' <= {goal:g} ({source})",
-                row["ratio_vs_sdpa"], "", row["ratio_vs_sdpa"] <= goal, row["case"])  # fmt: skip
-
-
 # ---- main ---------------------------------------------------------------------------------------
 
 
@@ -299,8 +199,6 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     config = build_config(args)
     if args.charts:  # before the run, not after it
-        from benchmarks.charts import missing_matplotlib
-
         message = missing_matplotlib()
         if message:
             print(f"python -m benchmarks --charts: {message}", file=sys.stderr)
@@ -327,7 +225,7 @@ def main(argv=None) -> int:
                 new = module.run(config, bar)
         rows += new
         print(format_section(section, new), flush=True)
-    rows += targets(rows)
+    rows += target_rows(rows)
     print(format_section("targets", rows), flush=True)
     machine["load_average_end"] = load_average()
     machine["wall_s"] = round(time.perf_counter() - started, 1)
@@ -341,8 +239,6 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump({"machine": machine, "config": config_dict, "rows": rows}, f, indent=1)
     if args.charts:
-        from benchmarks.charts import write_charts
-
         for path in write_charts(rows, args.charts, machine):
             print(f"chart: {path}", file=sys.stderr)
     return 0

@@ -1,4 +1,5 @@
-"""What a run measures: the full configuration (the issue's shapes) and ``--quick``."""
+"""What a run measures: the full configuration (GPT-2 small's sizes, the shapes docs/performance.md
+reports) and ``--quick``, the tiny one the tests run."""
 
 from __future__ import annotations
 
@@ -31,13 +32,14 @@ class Config:
     )
     default_repeats: int = 5
     #: ``{(implementation, mode, batch, tokens): reason}`` not run, the reason in its row. Empty:
-    #: ``reference`` forward+backward at b1 t4096 was measured (8.2 s per call, 5.9 GB peak RSS
-    #: for the whole speed run) and fits this machine, so it is timed with the others.
+    #: ``reference`` forward+backward at b1 t4096 fits the machine of docs/performance.md (its
+    #: time and memory there: "Measurements behind the benchmarks' own choices"), so it is timed
+    #: with the others.
     speed_skip: dict = dataclasses.field(default_factory=dict)
     # memory: forward (and a training step) at batch 1, one fresh subprocess per measurement
     memory_tokens: tuple[int, ...] = (4096, 8192, 32768)
     memory_reference_max_tokens: int = 8192  # Flax reference (materialises (h, t, t) scores)
-    memory_eager_max_tokens: int = 4096  # torch eager (same; 9.8 GB and 27 s at t = 8192)
+    memory_eager_max_tokens: int = 4096  # torch eager (same; t = 8192: docs/performance.md)
     #: A training step with dropout (default implementation and ``blocked``) at these t.
     memory_train_tokens: tuple[int, ...] = (8192,)
     #: Measurement subprocesses at a time. RSS is per process, so concurrency changes only the

@@ -19,6 +19,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import numpy as np
 import torch
@@ -57,14 +59,14 @@ def run(config, progress=None) -> list[dict]:
 
 
 def _run_batch(config, batch, progress):
+    """The rows of one batch: generate and the torch loop, recompute, flatness."""
     steps, prompt_len = config.decode_steps, config.decode_prompt
     max_length = prompt_len + steps
     eager, _, module = make_modules(context_length=max(1024, max_length))
     module.implementation = None
     prompt_np = random_input(batch, prompt_len, seed=1)
     prompt_torch, prompt_jax = torch.from_numpy(prompt_np), np.asarray(prompt_np)
-    case = f"b{batch}_p{prompt_len}_n{steps}"
-    tokens = batch * steps
+    row = functools.partial(make_row, "decode", f"b{batch}_p{prompt_len}_n{steps}", batch=batch)
 
     def flax_generate():
         module.init_cache(batch, max_length)
@@ -78,34 +80,45 @@ def _run_batch(config, batch, progress):
     flax_out = flax_generate()  # compiles
     _tick(progress)
     diffs = max_diffs({"y": np.asarray(flax_out)}, {"y": torch_out.numpy()})
-    rows = []
     if diffs[1] > TOLERANCE:
         note = f"outputs differ from torch (max rel {diffs[1]:.1e}): not timed"
-        for framework, impl in (("flax", "generate"), ("torch", "kv_cache")):
-            rows.append(
-                make_row(
-                    "decode",
-                    case,
-                    "generate",
-                    framework,
-                    impl,
-                    batch=batch,
-                    tokens=steps,
-                    skipped=True,
-                    note=note,
-                    diffs=diffs,
-                )
-            )
-        return rows
+        return [
+            row("generate", framework, impl, tokens=steps, skipped=True, note=note, diffs=diffs)
+            for framework, impl in (("flax", "generate"), ("torch", "kv_cache"))
+        ]
     timings = interleaved(
         {"generate": flax_generate, "kv_cache": torch_kv}, config.decode_repeats, progress
     )
+    lengths, sample_ms = _recompute_samples(config, module, batch, progress)
+    every = np.arange(prompt_len + 1, max_length + 1)
+    recompute_ms = float(np.interp(every, lengths, sample_ms).sum())
+    samples = ", ".join(f"t{n}: {ms:.1f} ms" for n, ms in zip(lengths, sample_ms))
+    per_s = 1e3 * batch * steps
+    speedup = dict(unit="tokens/s", ratio_of="speedup over recompute", tokens=steps)
+    return [
+        row("generate", "flax", "generate", resolved="default", timing=timings["generate"],
+            value=per_s / timings["generate"]["median_ms"], diffs=diffs,
+            ratio=recompute_ms / timings["generate"]["median_ms"], **speedup),
+        row("generate", "torch", "kv_cache", timing=timings["kv_cache"],
+            value=per_s / timings["kv_cache"]["median_ms"], diffs=(0.0, 0.0),
+            ratio=recompute_ms / timings["kv_cache"]["median_ms"], **speedup),
+        row("recompute", "flax", "recompute", resolved="default",
+            timing={"median_ms": recompute_ms, "min_ms": None, "repeats": len(lengths)},
+            value=per_s / recompute_ms, ratio=1.0,
+            note=f"sum of interpolated full forwards ({samples})", **speedup),
+        *_flatness_rows(config, module, batch, max_length, row, progress),
+    ]  # fmt: skip
 
-    # Recompute: the full causal pass at sampled exact lengths, interpolated over every length.
+
+def _recompute_samples(config, module, batch, progress):
+    """``(lengths, median ms)``: the full causal pass (default implementation, jitted) at
+    ``decode_recompute_samples`` exact lengths over ``prompt + 1 .. prompt + steps``."""
+    prompt_len = config.decode_prompt
     graphdef, state = nnx.split(module)
     lengths = np.unique(
-        np.linspace(prompt_len + 1, max_length, config.decode_recompute_samples).round()
-    ).astype(int)
+        np.linspace(prompt_len + 1, prompt_len + config.decode_steps,
+                    config.decode_recompute_samples).round()
+    ).astype(int)  # fmt: skip
     sample_ms = []
     for length in lengths:
         x = random_input(batch, int(length), seed=2)
@@ -116,70 +129,15 @@ def _run_batch(config, batch, progress):
             time_calls(lambda f=forward, x=x: f(state, x), config.decode_repeats)["median_ms"]
         )
         _tick(progress, config.decode_repeats)
-    every = np.arange(prompt_len + 1, max_length + 1)
-    recompute_ms = float(np.interp(every, lengths, sample_ms).sum())
+    return lengths, sample_ms
 
-    generate_ms = timings["generate"]["median_ms"]
-    samples = ", ".join(f"t{n}: {ms:.1f} ms" for n, ms in zip(lengths, sample_ms))
-    per_s = 1e3 * tokens
-    rows.append(
-        make_row(
-            "decode",
-            case,
-            "generate",
-            "flax",
-            "generate",
-            resolved="default",
-            batch=batch,
-            tokens=steps,
-            timing=timings["generate"],
-            value=per_s / generate_ms,
-            unit="tokens/s",
-            diffs=diffs,
-            ratio=recompute_ms / generate_ms,
-            ratio_of="speedup over recompute",
-        )
-    )
-    rows.append(
-        make_row(
-            "decode",
-            case,
-            "generate",
-            "torch",
-            "kv_cache",
-            batch=batch,
-            tokens=steps,
-            timing=timings["kv_cache"],
-            value=per_s / timings["kv_cache"]["median_ms"],
-            unit="tokens/s",
-            diffs=(0.0, 0.0),
-            ratio=recompute_ms / timings["kv_cache"]["median_ms"],
-            ratio_of="speedup over recompute",
-        )
-    )
-    rows.append(
-        make_row(
-            "decode",
-            case,
-            "recompute",
-            "flax",
-            "recompute",
-            resolved="default",
-            batch=batch,
-            tokens=steps,
-            timing={"median_ms": recompute_ms, "min_ms": None, "repeats": len(lengths)},
-            value=per_s / recompute_ms,
-            unit="tokens/s",
-            ratio=1.0,
-            ratio_of="speedup over recompute",
-            note=f"sum of interpolated full forwards ({samples})",
-        )
-    )
 
-    # Flatness: ms per token of flat_steps tokens starting at an early and a late position.
+def _flatness_rows(config, module, batch, max_length, row, progress):
+    """ms per token of ``decode_flat_steps`` tokens from an early and a late position; the last
+    row holds late / early."""
     flat = config.decode_flat_steps
     one = random_input(batch, 1, seed=3)
-    per_token = {}
+    rows, per_token = [], {}
     for position in config.decode_flat_positions:
         module.init_cache(batch, max_length)
         module(random_input(batch, position, seed=4), decode=True)  # advance the cache (eager)
@@ -195,20 +153,10 @@ def _run_batch(config, batch, progress):
         _tick(progress, config.decode_repeats)
         per_token[position] = timing["median_ms"] / flat
         rows.append(
-            make_row(
-                "decode",
-                case,
-                f"{flat} tokens from position {position}",
-                "flax",
-                "generate",
-                resolved="default",
-                batch=batch,
-                tokens=flat,
-                timing=timing,
-                value=per_token[position],
-                unit="ms/token",
-            )
-        )
+            row(f"{flat} tokens from position {position}", "flax", "generate",
+                resolved="default", tokens=flat, timing=timing, value=per_token[position],
+                unit="ms/token")
+        )  # fmt: skip
     early, late = config.decode_flat_positions
     rows[-1]["ratio"] = per_token[late] / per_token[early]
     rows[-1]["ratio_of"] = f"ms/token at position {late} / at {early}"

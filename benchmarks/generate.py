@@ -21,8 +21,7 @@ GPT-2 small's shape (random weights, float32; ``gpt_model`` picks another size),
   ``bandwidth_repeats`` rounds (the ``read bandwidth`` rows); the fastest reader's median is the
   machine's. (Read inside the generate rounds instead, torch's reader lost a quarter of its
   speed to the other callables' threads, so the bound is taken where the machine reads best;
-  it still moves with what else the host runs: 35 to 58 GB/s within minutes on the 2-core
-  EPYC.)
+  it still moves with what else the host runs: docs/performance.md gives the range measured.)
   ``ratio``: Flax tokens/s over the bound (whole calls, prefill included; the KV cache read on
   top of the weights is not counted).
 

@@ -13,14 +13,15 @@ array is part of the growth (``4 * t * 768`` bytes).
 The peak is read from ``VmHWM`` in ``/proc/self/status``, the memory map's high-water mark that
 ``getrusage(RUSAGE_SELF).ru_maxrss`` also reports, but without ``ru_maxrss``'s other term: the
 kernel keeps ``signal->maxrss`` across ``fork``/``exec``, so a subprocess of a large parent starts
-with the parent's peak as its ``ru_maxrss`` and a smaller call shows zero growth (measured: 0 MB
-for a 440 MB forward). ``ru_maxrss`` growth is kept in the worker's output and used only where
-``/proc`` is unavailable (the row then says it is a lower bound).
+with the parent's peak as its ``ru_maxrss`` and a smaller call shows zero growth (as measured:
+docs/performance.md, "Measurements behind the benchmarks' own choices"). ``ru_maxrss`` growth is
+kept in the worker's output and used only where ``/proc`` is unavailable (the row then says it is
+a lower bound).
 
 A materialising implementation (Flax ``reference``, torch eager) is started only where its
 measured need fits in ``MemAvailable``: ``2.5`` score-sized ``(h, t, t)`` float32 buffers plus
-1 GiB (measured growth: 2.2 and 3.1 buffers for Flax ``reference`` and torch eager at t = 8192,
-7.0 and 9.8 GB); otherwise its row is skipped with the numbers.
+1 GiB (``3.5`` for torch eager; the growth they were measured at is in docs/performance.md, as
+above); otherwise its row is skipped with the numbers.
 """
 
 from __future__ import annotations
@@ -83,64 +84,74 @@ def _mem_available_bytes() -> int | None:
 
 
 def _worker(spec: dict) -> dict:
-    """Runs in the subprocess: build, reset the peak, one forward, report the growth."""
+    """Runs in the subprocess: build, reset the peak, one call, report the growth."""
+    build = _flax_call if spec["framework"] == "flax" else _torch_call
+    return _peak_growth(build(spec))
+
+
+def _flax_call(spec: dict):
+    """The Flax module's jitted forward, or its training step (``mode`` ``"train"``), on a
+    random input: a callable that compiles and runs it."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    import flax_attention as fa
+
     batch, tokens, d_model = spec["batch"], spec["tokens"], spec.get("d_model", 768)
-    if spec["framework"] == "flax":
-        import jax
-        import numpy as np
-        from flax import nnx
+    implementation = spec["implementation"]
+    train = spec.get("mode") == "train"
+    module = fa.MultiHeadAttention(
+        d_model,
+        d_model,
+        tokens,
+        TRAIN_DROPOUT if train else 0.0,
+        HEADS,
+        True,
+        implementation=None if implementation == "default" else implementation,
+        rngs=nnx.Rngs(0),
+    )
+    x = jax.numpy.asarray(
+        np.random.default_rng(0).standard_normal((batch, tokens, d_model), dtype=np.float32)
+    )
+    if train:
+        module.train()
 
-        import flax_attention as fa
+        @nnx.jit
+        def step(module, x):
+            return nnx.value_and_grad(lambda module: (module(x) ** 2).sum())(module)
 
-        implementation = spec["implementation"]
-        train = spec.get("mode") == "train"
-        module = fa.MultiHeadAttention(
-            d_model,
-            d_model,
-            tokens,
-            TRAIN_DROPOUT if train else 0.0,
-            HEADS,
-            True,
-            implementation=None if implementation == "default" else implementation,
-            rngs=nnx.Rngs(0),
-        )
-        x = jax.numpy.asarray(
-            np.random.default_rng(0).standard_normal((batch, tokens, d_model), dtype=np.float32)
-        )
-        if train:
-            module.train()
+        return lambda: jax.block_until_ready(step(module, x))
+    module.eval()
+    graphdef, state = nnx.split(module)
+    forward = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x))
+    return lambda: jax.block_until_ready(forward(state, x))
 
-            @nnx.jit
-            def step(module, x):
-                return nnx.value_and_grad(lambda module: (module(x) ** 2).sum())(module)
 
-            def call():
-                return jax.block_until_ready(step(module, x))
+def _torch_call(spec: dict):
+    """The documents' module (``eager``) or the SDPA one, ``torch.no_grad()`` forward on a random
+    input."""
+    import torch
 
-        else:
-            module.eval()
-            graphdef, state = nnx.split(module)
-            forward = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x))
+    from benchmarks.torch_modules import SDPAMultiHeadAttention
+    from torch_reference import MultiHeadAttention
 
-            def call():
-                return jax.block_until_ready(forward(state, x))
+    batch, tokens, d_model = spec["batch"], spec["tokens"], spec.get("d_model", 768)
+    torch.set_num_threads(spec.get("torch_threads") or os.cpu_count() or 1)
+    cls = SDPAMultiHeadAttention if spec["implementation"] == "sdpa" else MultiHeadAttention
+    torch.manual_seed(0)
+    module = cls(d_model, d_model, tokens, 0.0, HEADS, True).eval()
+    x = torch.randn(batch, tokens, d_model)
 
-    else:
-        import torch
+    def call():
+        with torch.no_grad():
+            return module(x)
 
-        from benchmarks.torch_modules import SDPAMultiHeadAttention
-        from torch_reference import MultiHeadAttention
+    return call
 
-        torch.set_num_threads(spec.get("torch_threads") or os.cpu_count() or 1)
-        cls = SDPAMultiHeadAttention if spec["implementation"] == "sdpa" else MultiHeadAttention
-        torch.manual_seed(0)
-        module = cls(d_model, d_model, tokens, 0.0, HEADS, True).eval()
-        x = torch.randn(batch, tokens, d_model)
 
-        def call():
-            with torch.no_grad():
-                return module(x)
-
+def _peak_growth(call) -> dict:
+    """Hand freed heap back, reset the peak, ``call()`` once: the peak RSS over the RSS before."""
     import ctypes
     import gc
 
@@ -212,37 +223,47 @@ def plan_calls(config) -> int:
 
 
 def run(config, progress=None, torch_threads=None) -> list[dict]:
-    from benchmarks.rows import make_row
-
     plan = _plan(config)
 
     def one(item):
-        framework, implementation, tokens, mode = item
-        spec = dict(
-            framework=framework,
-            implementation=implementation,
-            batch=1,
-            tokens=tokens,
-            mode=mode,
-            torch_threads=torch_threads,
-        )
-        factor = 2.5 if implementation == "reference" else 3.5
-        need = factor * _estimate_scores_bytes(tokens) + 2**30
-        available = _mem_available_bytes()
-        materialises = implementation in ("reference", "eager")
-        if materialises and available is not None and need > available:
-            result = {
-                "error": f"skipped: needs ~{need / 2**30:.1f} GiB ({factor} x h t t x 4 B + 1 "
-                f"GiB), MemAvailable {available / 2**30:.1f} GiB"
-            }
-        else:
-            result = measure(spec)
+        result = _measure_planned(item, torch_threads)
         if progress is not None:
             progress.update(1)
         return result
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=config.memory_jobs) as pool:
         measured = list(pool.map(one, plan))
+    return _rows(plan, measured)
+
+
+def _measure_planned(item, torch_threads) -> dict:
+    """``measure`` of one ``_plan`` item, or ``{"error"}`` where a materialising implementation's
+    need (``2.5`` or ``3.5`` score-sized buffers + 1 GiB) exceeds ``MemAvailable``."""
+    framework, implementation, tokens, mode = item
+    spec = dict(
+        framework=framework,
+        implementation=implementation,
+        batch=1,
+        tokens=tokens,
+        mode=mode,
+        torch_threads=torch_threads,
+    )
+    factor = 2.5 if implementation == "reference" else 3.5
+    need = factor * _estimate_scores_bytes(tokens) + 2**30
+    available = _mem_available_bytes()
+    materialises = implementation in ("reference", "eager")
+    if materialises and available is not None and need > available:
+        return {
+            "error": f"skipped: needs ~{need / 2**30:.1f} GiB ({factor} x h t t x 4 B + 1 "
+            f"GiB), MemAvailable {available / 2**30:.1f} GiB"
+        }
+    return measure(spec)
+
+
+def _rows(plan, measured) -> list[dict]:
+    """One row per measurement; a forward's holds its growth / torch SDPA's at the same t."""
+    from benchmarks.rows import make_row
+
     rows, results = [], {}
     for (framework, implementation, tokens, mode), result in zip(plan, measured):
         if mode == "forward":
@@ -252,32 +273,19 @@ def run(config, progress=None, torch_threads=None) -> list[dict]:
         mode = "forward" if mode == "forward" else f"train step, dropout {TRAIN_DROPOUT}"
         if "error" in result:
             rows.append(
-                make_row(
-                    "memory",
-                    case,
-                    mode,
-                    framework,
-                    implementation,
-                    skipped=True,
-                    note=result["error"],
-                    **common,
-                )
-            )
+                make_row("memory", case, mode, framework, implementation, skipped=True,
+                         note=result["error"], **common)
+            )  # fmt: skip
             continue
-        growth_mb = result["growth_bytes"] / 1e6
         rows.append(
             make_row(
-                "memory",
-                case,
-                mode,
-                framework,
-                implementation,
+                "memory", case, mode, framework, implementation,
                 timing={"median_ms": result["seconds"] * 1e3, "min_ms": None, "repeats": 1},
-                value=growth_mb,
+                value=result["growth_bytes"] / 1e6,
                 note="" if result["peak_reset"] else "ru_maxrss growth: a lower bound",
                 **common,
             )
-        )
+        )  # fmt: skip
     for row in rows:  # a forward's growth / torch SDPA's growth at the same t
         sdpa = results.get(("sdpa", row["tokens"]), {})
         if row["mode"] == "forward" and row["value"] is not None and sdpa.get("growth_bytes"):

@@ -11,6 +11,9 @@ are then timed round-robin (``timing.interleaved``) after one warm-up call each 
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax
 import numpy as np
 import torch
@@ -106,102 +109,105 @@ def plan_calls(config) -> int:
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class _Shape:
+    """One shape's three modules (the same weights) and its input in both frameworks."""
+
+    batch: int
+    tokens: int
+    eager: torch.nn.Module  # the documents' module: every output is checked against it
+    sdpa: torch.nn.Module
+    module: fa.MultiHeadAttention
+    x_torch: torch.Tensor  # (b, t, d_in)
+    x_jax: jax.Array  # the same values
+
+    @property
+    def case(self) -> str:
+        return f"b{self.batch}_t{self.tokens}"
+
+
+def _tick(progress, n=1):
+    if progress is not None:
+        progress.update(n)
+
+
 def run(config, progress=None) -> list[dict]:
     """Rows of every shape and mode; torch's thread count is the caller's (``cli`` sets it)."""
     rows = []
     for batch, tokens in config.speed_shapes:
         eager, sdpa, module = make_modules(context_length=max(1024, tokens))
         x_np = random_input(batch, tokens)
-        x_torch, x_jax = torch.from_numpy(x_np), jax.numpy.asarray(x_np)
+        shape = _Shape(batch, tokens, eager, sdpa, module, torch.from_numpy(x_np),
+                       jax.numpy.asarray(x_np))  # fmt: skip
         for mode in config.speed_modes:
-            rows += _run_shape_mode(
-                config, eager, sdpa, module, x_torch, x_jax, batch, tokens, mode, progress
-            )
+            rows += _run_shape_mode(config, shape, mode, progress)
     return rows
 
 
-def _run_shape_mode(config, eager, sdpa, module, x_torch, x_jax, batch, tokens, mode, progress):
-    case = f"b{batch}_t{tokens}"
-    repeats = config.repeats_for((batch, tokens))
-    forward = mode == "forward"
-    torch_call = _torch_forward if forward else _torch_forward_backward
-    calls = {"eager": torch_call(eager, x_torch), "sdpa": torch_call(sdpa, x_torch)}
+def _run_shape_mode(config, shape, mode, progress):
+    """Check every callable against the documents' module, then time those that agree."""
+    repeats = config.repeats_for((shape.batch, shape.tokens))
+    torch_call = _torch_forward if mode == "forward" else _torch_forward_backward
+    calls = {"eager": torch_call(shape.eager, shape.x_torch),
+             "sdpa": torch_call(shape.sdpa, shape.x_torch)}  # fmt: skip
     resolved = {"eager": "eager", "sdpa": "sdpa"}
-    skipped, diffs, rows = {}, {}, []
+    skipped, diffs = {}, {}
 
     reference_out = _as_named(calls["eager"]())  # the documents' module: what all are checked on
-    if progress is not None:
-        progress.update(1)
+    _tick(progress)
     diffs["eager"] = (0.0, 0.0)
     diffs["sdpa"] = max_diffs(_as_named(calls["sdpa"]()), reference_out)
-    if progress is not None:
-        progress.update(1)
+    _tick(progress)
     for implementation in flax_implementations():
         name = _label(implementation)
-        reason = config.speed_skip.get((name, mode, batch, tokens))
+        reason = config.speed_skip.get((name, mode, shape.batch, shape.tokens))
+        if not reason:
+            try:
+                call, result = _flax_call(shape, implementation, mode)
+            except Exception as error:  # noqa: BLE001 - e.g. cudnn refusing float32: a row says so
+                reason = f"{type(error).__name__}: {error}"[:200]
         if reason:
             skipped[name] = reason
-            if progress is not None:
-                progress.update(repeats + 1)
+            _tick(progress, repeats + 1)
             continue
-        try:
-            if forward:
-                call = _flax_forward(module, implementation, x_jax)
-                result = _as_named(call())
-            else:
-                call = _flax_forward_backward(module, implementation, x_jax)
-                result = _flax_grads_by_torch_name(module, call())
-        except Exception as error:  # noqa: BLE001 - e.g. cudnn refusing float32: a row says so
-            skipped[name] = f"{type(error).__name__}: {error}"[:200]
-            if progress is not None:
-                progress.update(repeats + 1)
-            continue
-        if progress is not None:
-            progress.update(1)
+        _tick(progress)
         diffs[name] = max_diffs(result, reference_out)
         if diffs[name][1] > TOLERANCE:
             skipped[name] = f"outputs differ from torch (max rel {diffs[name][1]:.1e}): not timed"
             continue
         calls[name] = call
-        q = x_jax[..., None, :64]
+        q = shape.x_jax[..., None, :64]
         resolved[name] = implementation or fa.select_implementation(q, q, need_weights=False)
 
     timings = interleaved(calls, repeats, progress)
+    return _rows(shape, mode, timings, resolved, diffs, skipped)
+
+
+def _flax_call(shape, implementation, mode):
+    """``(call, its first result by torch name)``: the first call compiles."""
+    if mode == "forward":
+        call = _flax_forward(shape.module, implementation, shape.x_jax)
+        return call, _as_named(call())
+    call = _flax_forward_backward(shape.module, implementation, shape.x_jax)
+    return call, _flax_grads_by_torch_name(shape.module, call())
+
+
+def _rows(shape, mode, timings, resolved, diffs, skipped):
+    """One row per callable, torch's two first; ratios over torch's medians of the same run."""
     eager_ms, sdpa_ms = timings["eager"]["median_ms"], timings["sdpa"]["median_ms"]
-    names = ["eager", "sdpa", *(_label(i) for i in flax_implementations())]
-    for name in names:
+    row = functools.partial(make_row, "speed", shape.case, mode, batch=shape.batch,
+                            tokens=shape.tokens)  # fmt: skip
+    rows = []
+    for name in ["eager", "sdpa", *(_label(i) for i in flax_implementations())]:
         framework = "torch" if name in ("eager", "sdpa") else "flax"
         if name in skipped:
-            rows.append(
-                make_row(
-                    "speed",
-                    case,
-                    mode,
-                    framework,
-                    name,
-                    batch=batch,
-                    tokens=tokens,
-                    skipped=True,
-                    note=skipped[name],
-                    diffs=diffs.get(name),
-                )
-            )
+            rows.append(row(framework, name, skipped=True, note=skipped[name],
+                            diffs=diffs.get(name)))  # fmt: skip
             continue
         timing = timings[name]
         rows.append(
-            make_row(
-                "speed",
-                case,
-                mode,
-                framework,
-                name,
-                resolved=resolved[name],
-                batch=batch,
-                tokens=tokens,
-                timing=timing,
+            row(framework, name, resolved=resolved[name], timing=timing,
                 ratio_vs_eager=timing["median_ms"] / eager_ms,
-                ratio_vs_sdpa=timing["median_ms"] / sdpa_ms,
-                diffs=diffs[name],
-            )
-        )
+                ratio_vs_sdpa=timing["median_ms"] / sdpa_ms, diffs=diffs[name])
+        )  # fmt: skip
     return rows

@@ -4,8 +4,9 @@ The machine is shared and noisy, so the callables compared in one ratio are time
 (call 1 of each, then call 2 of each, ...): a burst of load from elsewhere hits all of them, and
 the ratio of medians stays meaningful where absolute times drift. The rounds' orders come from a
 balanced Latin square (``rotations``): torch's OpenMP threads spin for a few milliseconds after
-its call returns, which slows whatever runs next (measured: about 3 ms on a 12 ms native call at
-b8 t256), so no callable always comes right after torch, or after any one other callable.
+its call returns, which slows whatever runs next (by how much: docs/performance.md, "Measurements
+behind the benchmarks' own choices"), so no callable always comes right after torch, or after any
+one other callable.
 """
 
 from __future__ import annotations
@@ -68,8 +69,7 @@ def interleaved(fns: dict[str, Callable[[], object]], repeats: int, progress=Non
     """``{name: Timing}`` from ``repeats`` rounds, each calling every ``fn`` once, in the orders
     of ``rotations``.
 
-    ``progress`` (``conformance_tests.cli.progress_bar``'s bar, or ``None``) is advanced once per
-    call.
+    ``progress`` (a ``benchmarks.progress.Bar``, or ``None``) is advanced once per call.
     """
     samples: dict[str, list[float]] = {name: [] for name in fns}
     for order in rotations(list(fns), repeats):

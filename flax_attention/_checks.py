@@ -11,7 +11,7 @@ import numbers
 __all__ = [
     "check_dropout",
     "check_positive_int",
-    "check_divisible",
+    "check_splits_over_heads",
     "check_features",
     "check_floating",
     "check_num_tokens",
@@ -38,7 +38,7 @@ def check_dropout(value):
         raise ValueError(f"dropout ({value}) must be in [0, 1) (the probability of zeroing)")
 
 
-def check_divisible(name, value, num_heads):
+def check_splits_over_heads(name, value, num_heads):
     """``value`` (``d_out`` or ``d_model``) must split evenly over ``num_heads``."""
     if value % num_heads != 0:
         raise ValueError(f"{name} ({value}) must be divisible by num_heads ({num_heads})")

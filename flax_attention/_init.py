@@ -55,7 +55,7 @@ def partitioned(init, axes):
 
 def set_linear_axes(linear: nnx.Linear, axes: LinearAxes) -> nnx.Linear:
     """Replace the partition metadata of an existing ``nnx.Linear`` (a clone that plays another
-    role, such as document 001's fourth projection); returns it."""
+    role, such as the annotated-transformer post's fourth projection); returns it."""
     linear.kernel.set_metadata(out_sharding=tuple(axes.kernel), eager_sharding=False)
     if linear.bias is not None:
         linear.bias.set_metadata(out_sharding=tuple(axes.bias), eager_sharding=False)

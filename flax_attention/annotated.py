@@ -1,4 +1,4 @@
-"""``MultiHeadedAttention``, ``attention`` and ``clones``: the annotated transformer (document 001).
+"""``MultiHeadedAttention``, ``attention`` and ``clones``: the annotated-transformer post.
 
 Shape legend: ``b`` batch, ``h`` = ``num_heads``, ``t`` = ``q_len`` query tokens, ``s`` =
 ``k_len`` key/value tokens, ``d_model`` model features, ``d`` = ``k_dim = d_model // h``.
@@ -12,17 +12,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from flax_attention._checks import (
-    check_divisible,
-    check_dropout,
-    check_features,
-    check_floating,
-    check_mask,
-    check_positive_int,
-    check_rank,
-    check_same,
-)
+from flax_attention._checks import check_dropout, check_positive_int, check_splits_over_heads
 from flax_attention._init import linear_factory, set_linear_axes
+from flax_attention._inputs import check_annotated_inputs, check_projected_inputs
 from flax_attention.axes import FROM_HEADS, HEADS, TO_HEADS, constrain, out_sharding_like
 from flax_attention.core import (
     BlockSizes,
@@ -34,7 +26,7 @@ from flax_attention.core import (
 
 __all__ = ["MultiHeadedAttention", "attention", "clones"]  # as torch_reference.annotated
 
-#: Document 001 fills ``mask == 0`` with this finite value, not ``-inf``.
+#: The annotated-transformer post fills ``mask == 0`` with this finite value, not ``-inf``.
 MASK_FILL_VALUE = -1e10
 
 
@@ -51,7 +43,7 @@ class ProjectedKV(NamedTuple):
 
 
 class MultiHeadedAttention(nnx.Module):
-    """Document 001, ``MultiHeadedAttention(num_heads, d_model, dropout=0.1)``.
+    """The annotated-transformer post, ``MultiHeadedAttention(num_heads, d_model, dropout=0.1)``.
 
     ``query`` ``(b, q_len, d_model)``, ``key`` and ``value`` ``(b, k_len, d_model)``, ``mask``
     ``(b, q_len, k_len)`` or any 3-D shape that broadcasts to it, such as ``(1, q_len, k_len)``
@@ -106,7 +98,7 @@ class MultiHeadedAttention(nnx.Module):
         check_positive_int("num_heads", num_heads)
         check_positive_int("d_model", d_model)
         check_dropout(dropout)
-        check_divisible("d_model", d_model, num_heads)
+        check_splits_over_heads("d_model", d_model, num_heads)
         check_implementation(implementation)
         check_block_sizes(block_sizes)
         if implementation not in (None, "reference") and keep_attention_score:
@@ -140,7 +132,7 @@ class MultiHeadedAttention(nnx.Module):
     def project_kv(self, key, value) -> ProjectedKV:
         """``key``, ``value`` ``(b, k_len, d_model)`` through ``W^K``, ``W^V``: two
         ``(b, k_len, h, d)`` arrays, to pass as ``kv=`` to every later call."""
-        _check_inputs(key, key, value, None, self.num_heads * self.k_dim)
+        check_annotated_inputs(key, key, value, None, self.num_heads * self.k_dim)
         return ProjectedKV(
             self._split_heads(self.proj_weights[1], key),
             self._split_heads(self.proj_weights[2], value),
@@ -149,9 +141,10 @@ class MultiHeadedAttention(nnx.Module):
     def __call__(self, query, key=None, value=None, mask=None, *, kv: ProjectedKV | None = None):
         d_model = self.num_heads * self.k_dim
         if kv is None:
-            _check_inputs(query, key, value, mask, d_model)
+            check_annotated_inputs(query, key, value, mask, d_model)
         else:
-            _check_projected(query, key, value, mask, kv, self.num_heads, self.k_dim)
+            _check_kv_call(key, value, kv)
+            check_projected_inputs(query, kv, mask, self.num_heads, self.k_dim)
         if mask is not None:
             mask = jnp.asarray(mask)[:, None]  # (b or 1, 1, t or 1, s)
 
@@ -189,7 +182,7 @@ def clones(module, N):
 
 
 def attention(query, key, value, mask=None, dropout=None, *, precision=None):
-    """Document 001, ``attention``: scaled dot product with an optional ``mask == 0`` fill.
+    """The annotated-transformer post, ``attention``: scaled dot product, ``mask == 0`` filled.
 
     Args:
       query: ``(..., q_len, k_dim)``, e.g. ``(b, h, q_len, k_dim)`` as in the document.
@@ -214,42 +207,9 @@ def attention(query, key, value, mask=None, dropout=None, *, precision=None):
     return out[..., 0, :], attention_score[..., 0, :, :]
 
 
-def _check_projected(query, key, value, mask, kv, num_heads, k_dim):
-    """The checks of a call with ``kv`` (projected keys and values) instead of key and value."""
+def _check_kv_call(key, value, kv):
+    """A call with ``kv`` (projected keys and values) instead of ``key`` and ``value``."""
     if key is not None or value is not None:
         raise ValueError("key and value must be None when kv (projected keys and values) is given")
     if not isinstance(kv, ProjectedKV):
         raise TypeError(f"kv ({type(kv).__name__}) must be a ProjectedKV (from project_kv)")
-    _check_features(("query", query), d_model=num_heads * k_dim)
-    expected = (jnp.shape(query)[0], jnp.shape(kv.keys)[1], num_heads, k_dim)
-    check_same("kv.keys.shape", tuple(jnp.shape(kv.keys)), "(b, k_len, h, d)", expected)
-    check_same("kv.values.shape", tuple(jnp.shape(kv.values)), "kv.keys.shape", expected)
-    _check_mask(mask, (expected[0], jnp.shape(query)[1], expected[1]))
-
-
-def _check_features(*named, d_model):
-    for name, x in named:
-        shape = jnp.shape(x)
-        check_rank(name, shape, (3,), "b, seq_len, d_model")
-        check_features(name, shape, d_model, "d_model")
-        dtype = jnp.result_type(x)
-        check_floating(name, str(dtype), jnp.issubdtype(dtype, jnp.floating))
-
-
-def _check_mask(mask, expected):
-    """``mask`` (or ``None``) against ``expected`` = ``(b, q_len, k_len)``."""
-    if mask is not None:
-        dtype = jnp.result_type(mask)
-        valid = jnp.issubdtype(dtype, jnp.bool_) or (
-            jnp.issubdtype(dtype, jnp.number) and not jnp.issubdtype(dtype, jnp.complexfloating)
-        )
-        check_mask(jnp.shape(mask), expected, valid, str(dtype))
-
-
-def _check_inputs(query, key, value, mask, d_model):
-    _check_features(("query", query), ("key", key), ("value", value), d_model=d_model)
-    q_shape, k_shape, v_shape = jnp.shape(query), jnp.shape(key), jnp.shape(value)
-    check_same("key.shape[0]", k_shape[0], "query.shape[0]", q_shape[0])
-    check_same("value.shape[0]", v_shape[0], "query.shape[0]", q_shape[0])
-    check_same("value.shape[1]", v_shape[1], "key.shape[1]", k_shape[1])
-    _check_mask(mask, (q_shape[0], q_shape[1], k_shape[1]))

@@ -48,6 +48,8 @@ __all__ = [
     "TO_HEADS",
     "FROM_HEADS",
     "SplitsOverModel",
+    "axis_names",
+    "axis_types",
     "check_variable",
     "constrain",
     "expand_axes",
@@ -60,6 +62,8 @@ __all__ = [
     "partition_spec",
     "place",
     "place_like_parameters",
+    "spec_entry",
+    "spec_of",
 ]
 
 DATA = "data"
@@ -116,10 +120,34 @@ def expand_axes(axes, ndim: int) -> tuple:
     return axes[max(0, len(axes) - ndim) :]
 
 
-def _names(entry) -> tuple[str, ...]:
+# The partition-spec vocabulary, once: an entry of a ``PartitionSpec`` is ``None``, one mesh
+# axis name, or a tuple of them (one dimension over several axes).
+
+
+def axis_names(entry) -> tuple[str, ...]:
+    """The mesh axis names of one partition-spec entry: ``None`` -> ``()``, ``"model"`` ->
+    ``("model",)``, a tuple as it is."""
     if entry is None:
         return ()
     return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def spec_entry(names) -> str | tuple[str, ...] | None:
+    """The partition-spec entry for ``names`` (the inverse of ``axis_names``)."""
+    names = tuple(names)
+    return names[0] if len(names) == 1 else (names or None)
+
+
+def axis_types(mesh) -> dict[str, AxisType]:
+    """Each axis of ``mesh`` (a ``Mesh`` or ``AbstractMesh``) by name: ``Auto``, ``Explicit`` or
+    ``Manual``."""
+    return dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+
+
+def spec_of(x) -> tuple:
+    """``x``'s partition spec in its type (``Explicit`` axes only), one entry per dimension."""
+    spec = tuple(jax.typeof(x).sharding.spec)
+    return spec + (None,) * (np.ndim(x) - len(spec))
 
 
 def explicit_mesh():
@@ -128,7 +156,7 @@ def explicit_mesh():
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return None
-    types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+    types = axis_types(mesh)
     if any(types.get(name) == AxisType.Explicit for name in (DATA, MODEL)):
         return mesh
     return None
@@ -140,9 +168,7 @@ def out_sharding_like(x, last=None):
     like its input (``out_proj``: ``(b, t, d_out)`` like ``x``); ``None`` otherwise."""
     if explicit_mesh() is None:
         return None
-    spec = tuple(jax.typeof(x).sharding.spec)
-    spec = spec + (None,) * (np.ndim(x) - len(spec))
-    return PartitionSpec(*spec[:-1], last)
+    return PartitionSpec(*spec_of(x)[:-1], last)
 
 
 def lookup_sharding(ids):
@@ -151,8 +177,7 @@ def lookup_sharding(ids):
     own when ``ids`` is split over ``data``); ``None`` otherwise."""
     if explicit_mesh() is None:
         return None
-    spec = tuple(jax.typeof(ids).sharding.spec)
-    return PartitionSpec(*spec, *(None,) * (np.ndim(ids) - len(spec) + 1))
+    return PartitionSpec(*spec_of(ids), None)
 
 
 def constrain(x: jax.Array, axes) -> jax.Array:
@@ -168,13 +193,13 @@ def constrain(x: jax.Array, axes) -> jax.Array:
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return x
-    types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+    types = axis_types(mesh)
     spec = []
     for size, entry in zip(x.shape, expand_axes(axes, x.ndim), strict=True):
-        names = tuple(n for n in _names(entry) if types.get(n) == AxisType.Auto)
+        names = tuple(n for n in axis_names(entry) if types.get(n) == AxisType.Auto)
         if names and size % int(np.prod([mesh_axis_size(mesh, n) for n in names])) != 0:
             names = ()
-        spec.append(names[0] if len(names) == 1 else (names or None))
+        spec.append(spec_entry(names))
     if all(entry is None for entry in spec):
         return x
     return jax.lax.with_sharding_constraint(x, PartitionSpec(*spec))
@@ -194,8 +219,7 @@ def partition_spec(variable: nnx.Variable, mesh) -> PartitionSpec:
         return PartitionSpec()
     spec = []
     for entry in axes:
-        names = tuple(n for n in _names(entry) if n in mesh.axis_names)
-        spec.append(names[0] if len(names) == 1 else (names or None))
+        spec.append(spec_entry(n for n in axis_names(entry) if n in mesh.axis_names))
     return PartitionSpec(*spec)
 
 
@@ -211,7 +235,7 @@ def check_variable(variable: nnx.Variable, mesh, name: str) -> None:
             f"dimension (shape {shape})"
         )
     for dim, (size, entry) in enumerate(zip(shape, spec, strict=True)):
-        for axis in _names(entry):
+        for axis in axis_names(entry):
             if size % mesh_axis_size(mesh, axis) != 0:
                 raise ValueError(
                     f"{name}.shape[{dim}] ({size}) must be divisible by the mesh's {axis} axis "

@@ -8,8 +8,9 @@ A layer with a cache keeps, as ``nnx.Cache`` variables (state, not parameters):
 - ``cache_index``: int32 scalar, how many tokens the cache holds (the position of the next one).
 
 The layer declares all three in ``__init__`` as ``None`` and ``init_cache`` fills them from
-``new_cache``; ``__call__(x, decode=True)`` passes them to ``append``. Nothing else is assumed
-of the layer: this module knows the variables, not the layers.
+``new_cache``; ``__call__(x, decode=True)`` passes them to ``append``. What this module reads of
+a layer is the ``Decoder`` protocol below: those variables, ``context_length`` (the longest
+cache) and ``W_query`` (whose dtype is the cache's default); it knows no layer class.
 
 Heads first, because the attention reads the cache as it is stored: XLA's CPU dot takes the
 batch axes ``(b, h)`` leading, so a ``(..., max_length, h, d)`` cache was copied into that order
@@ -53,13 +54,16 @@ __all__ = ["Decoder", "append", "generate", "new_cache", "poison_unless"]
 
 @runtime_checkable
 class Decoder(Protocol):
-    """A layer with a decode cache: the three variables (``None`` until ``init_cache``) and
-    ``init_cache``. ``CausalAttention`` and ``MultiHeadAttention`` are decoders; the wrapper
-    holds one per head."""
+    """A layer with a decode cache: the three variables (``None`` until ``init_cache``),
+    ``init_cache``, and what ``install_cache`` reads: ``context_length`` and the query projection
+    ``W_query`` (an ``nnx.Linear``). ``CausalAttention`` and ``MultiHeadAttention`` are decoders;
+    the wrapper holds one per head."""
 
     cached_key: nnx.Cache | None
     cached_value: nnx.Cache | None
     cache_index: nnx.Cache | None
+    context_length: int
+    W_query: nnx.Linear
 
     def init_cache(self, batch_size, max_length: int | None = None, dtype=None) -> None: ...
 
@@ -103,8 +107,10 @@ def new_cache(
     }
 
 
-def install_cache(layer, batch_size, max_length, dtype, *, heads: int, head_dim: int) -> None:
-    """``new_cache`` for a causal layer (``context_length``, ``W_query``, the three declared cache
+def install_cache(
+    layer: Decoder, batch_size, max_length, dtype, *, heads: int, head_dim: int
+) -> None:
+    """``new_cache`` for a ``Decoder`` (``context_length``, ``W_query``, the three declared cache
     variables): placed on the layer's mesh if its parameters are sharded, then set on it.
     ``dtype`` defaults to the layer's computation dtype."""
     cache = new_cache(

@@ -1,7 +1,8 @@
 """Causal attention: masking two ways, ``CausalAttention`` and ``MultiHeadAttentionWrapper``.
 
-Documents 000, 002 and 004, in Flax NNX. Shape legend: ``b`` batch (any leading axes), ``t`` =
-``num_tokens``, ``d_in`` input features, ``d_out`` features per head, ``h`` heads.
+The chapter 3 notebook and article and the ``CausalAttention`` listing, in Flax NNX. Shape legend:
+``b`` batch (any leading axes), ``t`` = ``num_tokens``, ``d_in`` input features, ``d_out``
+features per head, ``h`` heads.
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ import numpy as np
 from flax import nnx
 
 from flax_attention import cache as decode_cache
-from flax_attention._checks import check_dropout, check_num_tokens, check_positive_int
+from flax_attention._checks import check_dropout, check_positive_int
 from flax_attention._init import linear_factory
-from flax_attention._inputs import check_input
+from flax_attention._inputs import check_causal_input
 from flax_attention.axes import (
     ONE_HEAD,
     TO_HEADS,
@@ -24,10 +25,10 @@ from flax_attention.axes import (
 from flax_attention.core import (
     BlockSizes,
     Implementation,
+    attend,
     causal_mask,
     check_block_sizes,
     check_implementation,
-    dot_product_attention,
     masked_softmax,
 )
 
@@ -40,7 +41,8 @@ __all__ = [
 
 
 def causal_attn_weights_renormalized(attn_scores, d_key):
-    """Document 000, causal masking, first way: softmax, zero the future, renormalise the rows.
+    """The chapter 3 notebook, causal masking, first way: softmax, zero the future, renormalise the
+    rows.
 
     ``attn_scores`` ``(..., t, t)`` unscaled; returns the masked weights.
     """
@@ -53,7 +55,8 @@ def causal_attn_weights_renormalized(attn_scores, d_key):
 
 
 def causal_attn_weights_masked_fill(attn_scores, d_key):
-    """Document 000, causal masking, second way: fill the future with ``-inf``, then softmax.
+    """The chapter 3 notebook, causal masking, second way: fill the future with ``-inf``, then
+    softmax.
 
     ``attn_scores`` ``(..., t, t)`` unscaled; returns the masked weights.
     """
@@ -78,15 +81,11 @@ def documents_mask(context_length: int) -> np.ndarray:
     return np.triu(ones, k=1)
 
 
-def check_causal_input(x, d_in, context_length):
-    check_input("x", x, d_in)
-    check_num_tokens(x.shape[-2], context_length)
-
-
 #: The fill of keys a caller's ``mask`` hides in the causal layers (left padding): finite, as
-#: document 001's, so a padding query that sees no real key gives finite (unused) values instead
-#: of NaN, which would reach the real tokens through ``0 * NaN``; ``exp(-1e10 - max)`` is exactly
-#: 0, so the real tokens' outputs equal those of the unpadded sequence.
+#: the annotated-transformer post's, so a padding query that sees no real key gives finite
+#: (unused) values instead of NaN, which would reach the real tokens through ``0 * NaN``;
+#: ``exp(-1e10 - max)`` is exactly 0, so the real tokens' outputs equal those of the unpadded
+#: sequence.
 PADDING_FILL = -1e10
 
 
@@ -113,7 +112,7 @@ def causal_attention(
     if cache is not None:  # the whole cache, heads first
         keys, values, offset, fits = decode_cache.append(*cache, keys, values)
         kv_layout = "hsd"
-    context_vec, _ = dot_product_attention(
+    context_vec = attend(
         queries,
         keys,
         values,
@@ -124,7 +123,6 @@ def causal_attention(
         dropout=dropout,
         precision=precision,
         implementation=implementation,
-        need_weights=False,
         block_sizes=block_sizes,
         kv_layout=kv_layout,
     )  # (..., t, h, d)
@@ -132,7 +130,8 @@ def causal_attention(
 
 
 class CausalAttention(nnx.Module):
-    """Documents 000, 002 and 004, ``CausalAttention``: one head, ``-inf`` above the diagonal.
+    """The chapter 3 notebook and article and the ``CausalAttention`` listing:
+    ``CausalAttention``: one head, ``-inf`` above the diagonal.
 
     ``x`` ``(..., num_tokens, d_in)`` (the documents use ``(b, num_tokens, d_in)``) ->
     ``(..., num_tokens, d_out)``. ``torch_reference/causal.py`` is the documents' code; its
@@ -142,7 +141,7 @@ class CausalAttention(nnx.Module):
     document (``torch_reference/causal.py``)                  here
     =======================================================  ====================================
     ``keys = self.W_key(x)`` (and queries, values)            the same, as ``(..., t, 1, d_out)``
-    ``attn_scores = queries @ keys.transpose(1, 2)``          ``dot_product_attention`` (core)
+    ``attn_scores = queries @ keys.transpose(1, 2)``          ``attend`` (core)
     ``attn_scores.masked_fill_(self.mask.bool()[:t, :t],      ``is_causal=True``: ``-inf`` where
     -torch.inf)``                                             ``causal_mask`` is ``False``
     ``torch.softmax(attn_scores / keys.shape[-1] ** 0.5)``    ``masked_softmax`` (float32 or wider)
@@ -226,7 +225,8 @@ class CausalAttention(nnx.Module):
 
 
 class MultiHeadAttentionWrapper(nnx.Module):
-    """Document 000, ``MultiHeadAttentionWrapper``: ``num_heads`` stacked ``CausalAttention``.
+    """The chapter 3 notebook, ``MultiHeadAttentionWrapper``: ``num_heads`` stacked
+    ``CausalAttention``.
 
     ``x`` ``(..., num_tokens, d_in)`` -> ``(..., num_tokens, num_heads * d_out)``. As in
     ``torch_reference/causal.py``: ``torch.cat([head(x) for head in self.heads], dim=-1)``, each

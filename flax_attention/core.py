@@ -14,8 +14,8 @@ wants the batch axes ``(b, h)`` leading: in the ``shd`` layout it copies the key
 into that order on every call), ``native`` and ``xla`` swap it back (one copy per call).
 
 The steps are the documents': scores ``q . k``, divided by ``sqrt(d_k)``, masked positions filled
-(``-inf`` for the causal family, ``-1e10`` for document 001), softmax in at least float32 and cast
-back, dropout on the weights, weighted sum of the values.
+(``-inf`` for the causal family, ``-1e10`` for the annotated-transformer post), softmax in at
+least float32 and cast back, dropout on the weights, weighted sum of the values.
 
 Implementations (``implementation=``), all the same function of their inputs:
 
@@ -48,7 +48,7 @@ is a ``ValueError`` (``None`` picks one that can).
 What is masked, and with what, is one ``AttentionMask`` (``flax_attention.masking``) built once
 per call from ``is_causal``, ``query_offset``, ``mask`` and ``fill_value``; every implementation
 consumes it. A new implementation is a name in ``Implementation`` and one ``case`` in
-``_dispatch``.
+``_run``.
 
 Meshes: under ``jax.set_mesh`` with ``Explicit`` axes (sharding in types) the implementations run
 inside ``jax.sharding.auto_axes`` and return their results laid out like the queries (heads, or
@@ -66,7 +66,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from flax_attention.axes import explicit_mesh
+from flax_attention.axes import explicit_mesh, spec_of
 from flax_attention.kernels import native
 from flax_attention.kernels.blocked import BlockSizes, blocked_attention
 from flax_attention.kernels.jax_nn import jax_nn_attention
@@ -79,6 +79,7 @@ __all__ = [
     "Implementation",
     "KV_LAYOUTS",
     "KVLayout",
+    "attend",
     "causal_mask",
     "masked_softmax",
     "dot_product_attention",
@@ -142,11 +143,13 @@ def check_block_sizes(block_sizes) -> None:
 
 
 def _dropout_active(dropout) -> bool:
+    """Whether ``dropout`` drops anything: an ``nnx.Dropout`` with a rate in training mode, or
+    any other callable (a dropout of the caller's own, which ``reference`` applies as it is)."""
     if dropout is None:
         return False
     if isinstance(dropout, nnx.Dropout):
         return dropout.rate > 0 and not dropout.deterministic
-    return True  # any other callable (the conformance harness injects fixed masks)
+    return True
 
 
 def select_implementation(
@@ -159,71 +162,88 @@ def select_implementation(
     blocked_min_scores: int = BLOCKED_MIN_SCORES,
     kv_layout: KVLayout = "shd",
 ) -> str:
-    """What ``implementation=None`` runs: the fastest that does what the call needs.
+    """What ``implementation=None`` runs: the fastest that runs these inputs and does what the
+    call needs.
 
     - weights asked for: ``reference`` (the only one that returns them);
+    - a dropout callable other than ``nnx.Dropout``, active: ``reference`` (the only one that
+      applies it as it is);
     - GPU and TPU: ``xla`` (XLA's fused attention; ``cudnn`` is opt-in, it takes half
-      precision only and is not yet measured here);
+      precision only and is not yet measured here), or ``reference`` while dropout is active;
     - CPU: from ``blocked_min_scores`` score entries per head (the tiled kernels skip the causal
-      half and never materialise the scores), ``native`` where it is built and the inputs are
-      float32 or bfloat16 (queries, keys and, when given, values; ``native.why_unavailable()``
-      says why not), else ``blocked``;
-      ``reference`` below the threshold;
-    - dropout active: on the CPU the same choice when it is an ``nnx.Dropout`` (``native`` and
-      ``blocked`` apply its rate inside their tiles); ``reference`` for any other dropout
-      callable (the conformance harness injects fixed masks) and on GPU and TPU.
+      half and never materialise the scores), ``native`` where ``native.can_run`` the inputs
+      (the kernel built, queries, keys and, when given, values float32 or bfloat16;
+      ``native.why_unavailable()`` says why not), else ``blocked``; ``reference`` below the
+      threshold. An active ``nnx.Dropout`` changes nothing here: ``native`` and ``blocked``
+      apply its rate inside their tiles.
 
     Keys and values heads first (``kv_layout="hsd"``, the decode cache), on the CPU: ``native``
     would copy the whole cache into its ``(..., s, h, d)`` order on every call, so it runs from
     ``NATIVE_MIN_QUERIES_HSD`` queries only (where that copy is small against the attention);
     fewer queries run ``blocked`` (reads the cache in place), and a single query (one decode
-    step) ``reference``, whose scores are one row per head. Measured at s 4096, causal, ms per
-    call on 2 cores (b1 / b8): one query: reference 4.2 / 16, blocked 3.1 / 31, native 5.6 / 123;
-    16 queries: blocked 6.9 / 81, native 9.4 / 188; 256 queries: blocked 109 / 838, native
-    130 / 618.
+    step) ``reference``, whose scores are one row per head (the measurements behind these
+    thresholds: ``docs/performance.md``, "Choosing an implementation").
     """
     if need_weights:
         return "reference"
-    tiled = (
-        jax.default_backend() == "cpu"
-        and queries.shape[-3] * _kv_length(keys, kv_layout) >= blocked_min_scores
-    )
-    operands = (queries, keys) if values is None else (queries, keys, values)
-    use_native = tiled and native.available() and _native_dtype(*operands)
     if _dropout_active(dropout) and not isinstance(dropout, nnx.Dropout):
         return "reference"
     if jax.default_backend() != "cpu":
         return "reference" if _dropout_active(dropout) else "xla"
-    if tiled and kv_layout == "hsd":
-        queries_count = queries.shape[-3]
-        if queries_count == 1:
-            return "reference"
-        if queries_count < NATIVE_MIN_QUERIES_HSD:
-            return "blocked"
-    if use_native:
-        return "native"
-    return "blocked" if tiled else "reference"
-
-
-#: The implementations that apply an ``nnx.Dropout`` inside their tiles (``dropout_hash``).
-_TILED_DROPOUT = ("blocked", "native")
-
-
-def _dropout_seed(dropout, key):
-    """``(rate, seed)`` of a tiled kernel's dropout: ``(0.0, None)`` when inactive, else the
-    layer's rate and a uint32 seed drawn from its RNG stream (``key``: drawn outside)."""
-    if not _dropout_active(dropout):
-        return 0.0, None
-    key = dropout.rngs() if key is None else key
-    return dropout.rate, jax.random.bits(key, dtype=jnp.uint32)
+    queries_count = queries.shape[-3]
+    if queries_count * _kv_length(keys, kv_layout) < blocked_min_scores:
+        return "reference"
+    if kv_layout == "hsd" and queries_count < NATIVE_MIN_QUERIES_HSD:
+        return "reference" if queries_count == 1 else "blocked"
+    operands = (queries, keys) if values is None else (queries, keys, values)
+    return "native" if native.can_run(*operands) else "blocked"
 
 
 def _kv_length(keys, kv_layout) -> int:
     return keys.shape[-2] if kv_layout == "hsd" else keys.shape[-3]
 
 
-def _native_dtype(*arrays) -> bool:
-    return all(x.dtype in (jnp.float32, jnp.bfloat16) for x in arrays)
+def _check_options(implementation, block_sizes, kv_layout) -> None:
+    check_implementation(implementation)
+    check_block_sizes(block_sizes)
+    if kv_layout not in KV_LAYOUTS:
+        raise ValueError(f"kv_layout ({kv_layout!r}) must be one of {KV_LAYOUTS}")
+
+
+def _check_choice(implementation, queries, keys, values, *, need_weights, dropout) -> None:
+    """An ``implementation`` the caller named must do what the call asks, here."""
+    if implementation == "reference":
+        return
+    if need_weights:
+        raise ValueError(
+            f"implementation ({implementation!r}) must be 'reference' (or None) to return "
+            "attention weights (need_weights=False for the others)"
+        )
+    tiled_dropout = implementation in ("blocked", "native") and isinstance(dropout, nnx.Dropout)
+    if _dropout_active(dropout) and not tiled_dropout:
+        raise ValueError(
+            f"implementation ({implementation!r}) must be 'reference', 'blocked', 'native' "
+            "or None while dropout is active (call .eval(), or use implementation=None); "
+            "'blocked' and 'native' take an nnx.Dropout only"
+        )
+    if implementation == "native":
+        reason = native.why_not_here()
+        if reason is not None:
+            raise ValueError(
+                f"implementation ('native') must run on the CPU with the kernel built "
+                f"({reason}; use 'blocked')"
+            )
+        native.check_dtypes(queries=queries, keys=keys, values=values)
+
+
+def _choose(queries, keys, values, implementation, *, need_weights, dropout, kv_layout) -> str:
+    """Validate and select: the implementation this call runs."""
+    if implementation is None:
+        return select_implementation(
+            queries, keys, values, need_weights=need_weights, dropout=dropout, kv_layout=kv_layout
+        )
+    _check_choice(implementation, queries, keys, values, need_weights=need_weights, dropout=dropout)
+    return implementation
 
 
 def dot_product_attention(
@@ -252,9 +272,12 @@ def dot_product_attention(
         fills its score with ``fill_value``.
       is_causal: query ``i`` sees keys ``j <= query_offset + i`` only; the others get ``-inf``.
       query_offset: absolute position of query 0 (the decode cache's index; may be traced).
-      fill_value: ``-inf`` (the causal family) or ``-1e10`` (document 001) for ``mask``.
-      dropout: an ``nnx.Dropout`` applied to the weights (its own ``deterministic`` flag, set by
-        ``.eval()``/``.train()``, decides), or ``None``.
+      fill_value: ``-inf`` (the causal family) or ``-1e10`` (the annotated transformer) for
+        ``mask``.
+      dropout: applied to the weights: an ``nnx.Dropout`` (its own ``deterministic`` flag, set
+        by ``.eval()``/``.train()``, decides; ``reference``, ``blocked`` and ``native`` apply
+        it), any other callable ``weights -> weights`` (a dropout of your own, such as fixed
+        keep-masks; ``reference`` only, always active), or ``None``.
       precision: passed to every matmul.
       implementation: one of ``IMPLEMENTATIONS`` (module docstring).
       need_weights: return the weights (``reference`` only); ``False`` lets ``None`` choose a
@@ -268,28 +291,52 @@ def dot_product_attention(
       ``context_vec`` ``(..., t, h, d_v)`` and ``attn_weights`` ``(..., h, t, s)`` (after
       dropout, as the documents return them) or ``None``.
     """
-    check_implementation(implementation)
-    check_block_sizes(block_sizes)
-    if kv_layout not in KV_LAYOUTS:
-        raise ValueError(f"kv_layout ({kv_layout!r}) must be one of {KV_LAYOUTS}")
-    if implementation is None:
-        implementation = select_implementation(
-            queries, keys, values, need_weights=need_weights, dropout=dropout, kv_layout=kv_layout
-        )
-    if implementation != "reference":
-        if need_weights:
-            raise ValueError(
-                f"implementation ({implementation!r}) must be 'reference' (or None) to return "
-                "attention weights (need_weights=False for the others)"
-            )
-        if _dropout_active(dropout) and not (
-            implementation in _TILED_DROPOUT and isinstance(dropout, nnx.Dropout)
-        ):
-            raise ValueError(
-                f"implementation ({implementation!r}) must be 'reference', 'blocked', 'native' "
-                "or None while dropout is active (call .eval(), or use implementation=None); "
-                "'blocked' and 'native' take an nnx.Dropout only"
-            )
+    out = attend(
+        queries,
+        keys,
+        values,
+        mask,
+        is_causal=is_causal,
+        query_offset=query_offset,
+        fill_value=fill_value,
+        dropout=dropout,
+        precision=precision,
+        implementation=implementation,
+        need_weights=need_weights,
+        block_sizes=block_sizes,
+        kv_layout=kv_layout,
+    )
+    return out if need_weights else (out, None)
+
+
+def attend(
+    queries,
+    keys,
+    values,
+    mask=None,
+    *,
+    is_causal: bool = False,
+    query_offset=0,
+    fill_value=-jnp.inf,
+    dropout=None,
+    precision=None,
+    implementation: Implementation | None = "reference",
+    need_weights: bool = False,
+    block_sizes: BlockSizes | None = None,
+    kv_layout: KVLayout = "shd",
+):
+    """``dot_product_attention`` returning what is asked: ``context_vec`` alone, or with
+    ``need_weights=True`` the pair. The layers that never return weights call this."""
+    _check_options(implementation, block_sizes, kv_layout)
+    implementation = _choose(
+        queries,
+        keys,
+        values,
+        implementation,
+        need_weights=need_weights,
+        dropout=dropout,
+        kv_layout=kv_layout,
+    )
     # The one description of what is hidden, consumed by every implementation.
     attention_mask = AttentionMask.build(
         mask,
@@ -298,89 +345,97 @@ def dot_product_attention(
         fill_value=fill_value,
         dtype=jnp.result_type(queries, keys),  # the scores' dtype
     )
-    run = functools.partial(_dispatch, implementation, precision, block_sizes, kv_layout)
+    run = functools.partial(
+        _run,
+        implementation,
+        precision=precision,
+        block_sizes=block_sizes,
+        kv_layout=kv_layout,
+        need_weights=need_weights,
+    )
     if explicit_mesh() is None:
-        return run(dropout, queries, keys, values, attention_mask)
+        return run(queries, keys, values, attention_mask, dropout=dropout)
+    return _run_with_auto_axes(run, queries, keys, values, attention_mask, dropout, need_weights)
 
-    # Explicit mesh axes: the kernels run with Auto axes inside, their results come back laid
-    # out like the queries (heads, or a single head's features, over "model"). Arrays cross as
-    # arguments: the mask's, and the dropout key, drawn here from the layer's stream (the same
-    # draw the dropout would make inside).
+
+def _run_with_auto_axes(run, queries, keys, values, attention_mask, dropout, need_weights):
+    """``run`` under an explicit mesh: the kernels run with ``Auto`` axes inside, their results
+    come back laid out like the queries (heads, or a single head's features, over ``model``).
+    Arrays cross as arguments: the mask's, and the dropout key, drawn here from the layer's
+    stream (the same draw the dropout would make inside)."""
     dropout_key = None
     if isinstance(dropout, nnx.Dropout) and _dropout_active(dropout):
         dropout_key = dropout.rngs()
 
     def run_auto(queries, keys, values, keep, query_offset, dropout_key):
         inside = attention_mask.replace(keep=keep, query_offset=query_offset)
-        context_vec, attn_weights = run(dropout, queries, keys, values, inside, dropout_key)
-        return (context_vec, attn_weights) if need_weights else context_vec
+        return run(queries, keys, values, inside, dropout=dropout, dropout_key=dropout_key)
 
     out_sharding = _out_shardings(queries, values, need_weights)
-    out = jax.sharding.auto_axes(run_auto, out_sharding=out_sharding)(
+    return jax.sharding.auto_axes(run_auto, out_sharding=out_sharding)(
         queries, keys, values, attention_mask.keep, attention_mask.query_offset, dropout_key
     )
-    return out if need_weights else (out, None)
 
 
-def _dispatch(
+def _tiled_dropout(dropout, dropout_key):
+    """``(rate, seed)`` of a tiled kernel's dropout: ``(0.0, None)`` when inactive, else the
+    layer's rate and a uint32 seed drawn from its RNG stream (``dropout_key``: drawn outside)."""
+    if not _dropout_active(dropout):
+        return 0.0, None
+    dropout_key = dropout.rngs() if dropout_key is None else dropout_key
+    return dropout.rate, jax.random.bits(dropout_key, dtype=jnp.uint32)
+
+
+def _run(
     implementation,
-    precision,
-    blocks,
-    kv_layout,
-    dropout,
     queries,
     keys,
     values,
     attention_mask,
-    key=None,
+    *,
+    dropout,
+    precision,
+    block_sizes,
+    kv_layout,
+    need_weights,
+    dropout_key=None,
 ):
-    """Run ``implementation``: ``(context_vec, attn_weights or None)``. ``key``: the dropout's
-    random key when drawn outside (explicit meshes), else the dropout draws its own."""
+    """Run ``implementation`` (chosen and checked): ``context_vec``, or with ``need_weights``
+    ``(context_vec, attn_weights)``. ``dropout_key``: the dropout's random key when drawn
+    outside (explicit meshes), else the dropout draws its own."""
     if kv_layout == "hsd" and implementation not in ("reference", "blocked"):
         keys, values = jnp.swapaxes(keys, -3, -2), jnp.swapaxes(values, -3, -2)  # (..., s, h, d)
         kv_layout = "shd"
     match implementation:
         case "reference":
-            if key is not None:
-                dropout = functools.partial(dropout, rngs=key)
-            return _reference(queries, keys, values, attention_mask, dropout, precision, kv_layout)
+            if dropout_key is not None:
+                dropout = functools.partial(dropout, rngs=dropout_key)
+            context_vec, attn_weights = _reference(
+                queries, keys, values, attention_mask, dropout, precision, kv_layout
+            )
+            return (context_vec, attn_weights) if need_weights else context_vec
         case "blocked":
-            rate, seed = _dropout_seed(dropout, key)
-            context_vec = blocked_attention(
+            rate, seed = _tiled_dropout(dropout, dropout_key)
+            return blocked_attention(
                 queries,
                 keys,
                 values,
                 attention_mask,
                 precision=precision,
-                block_sizes=blocks,
+                block_sizes=block_sizes,
                 dropout_rate=rate,
                 dropout_seed=seed,
                 kv_heads_first=kv_layout == "hsd",
             )
-            return context_vec, None
         case "native":
-            if jax.default_backend() != "cpu" or not native.available():
-                reason = native.why_unavailable() or f"the backend is {jax.default_backend()!r}"
-                raise ValueError(
-                    f"implementation ('native') must run on the CPU with the kernel built "
-                    f"({reason}; use 'blocked')"
-                )
-            rate, seed = _dropout_seed(dropout, key)
-            context_vec = native.native_attention(
-                queries,
-                keys,
-                values,
-                attention_mask,
-                precision=precision,
-                dropout_rate=rate,
-                dropout_seed=seed,
+            rate, seed = _tiled_dropout(dropout, dropout_key)
+            return native.run(
+                queries, keys, values, attention_mask, dropout_rate=rate, dropout_seed=seed
             )
-            return context_vec, None
         case "xla" | "cudnn":
-            context_vec = jax_nn_attention(
+            return jax_nn_attention(
                 queries, keys, values, attention_mask, implementation=implementation
             )
-            return context_vec, None
         case _:
             raise ValueError(
                 f"implementation ({implementation!r}) must be one of {IMPLEMENTATIONS}"
@@ -404,16 +459,10 @@ def _reference(queries, keys, values, attention_mask, dropout, precision, kv_lay
     return context_vec, attn_weights
 
 
-def _spec(x) -> tuple:
-    """``x``'s partition spec under an explicit mesh, one entry per dimension."""
-    spec = tuple(jax.typeof(x).sharding.spec)
-    return spec + (None,) * (jnp.ndim(x) - len(spec))
-
-
 def _out_shardings(queries, values, need_weights):
     """Where the results go on an explicit mesh: ``context_vec`` ``(..., t, h, d_v)`` like the
     queries (``d_v`` like the values'), the weights ``(..., h, t, s)`` like the queries' heads."""
-    q, v = _spec(queries), _spec(values)
+    q, v = spec_of(queries), spec_of(values)
     context = PartitionSpec(*q[:-1], v[-1])
     if not need_weights:
         return context

@@ -264,12 +264,25 @@ def from_nnx(module, **options):
     context_length = _causal_options("flax.nnx.MultiHeadAttention", options)
     flax = _check_options("flax.nnx.MultiHeadAttention", options, ("rngs", "implementation"))
     flax.update(dtype=module.dtype, param_dtype=module.param_dtype, precision=module.precision)
-    heads, d_in, qkv, out = (
-        module.num_heads,
-        module.in_features,
-        module.qkv_features,
-        module.out_features,
-    )
+    _check_nnx_module(module, causal=context_length is not None)
+    heads, d_in, qkv = module.num_heads, module.in_features, module.qkv_features
+    if context_length is None:
+        layer = MultiHeadedAttention(heads, d_in, module.dropout_rate, **flax)
+        names = [f"proj_weights.{i}" for i in range(4)]
+    else:
+        layer = MultiHeadAttention(
+            d_in, qkv, context_length, module.dropout_rate, heads, module.use_bias, **flax
+        )
+        names = ["W_query", "W_key", "W_value", "out_proj"]
+    load_state_dict(layer, _nnx_state(module, names, always_biased=context_length is None))
+    return _mode(layer, not module.deterministic if module.deterministic is not None else True)
+
+
+def _check_nnx_module(module, causal: bool) -> None:
+    """Refuse, naming the option, what ``module`` does that the layer it becomes (causal
+    ``MultiHeadAttention``, else ``MultiHeadedAttention``) does not."""
+    heads, d_in = module.num_heads, module.in_features
+    qkv, out = module.qkv_features, module.out_features
     if module.num_kv_heads != heads:
         _refuse(
             "num_kv_heads",
@@ -294,24 +307,26 @@ def from_nnx(module, **options):
             module.in_kv_features,
             f"equal in_features ({d_in}): the layers here take keys and values of the query's size",
         )
-    if context_length is None:
-        for option, value in (("qkv_features", qkv), ("out_features", out)):
-            if value != d_in:
-                _refuse(
-                    option,
-                    value,
-                    f"equal in_features ({d_in}) for MultiHeadedAttention "
-                    "(or pass causal=True, context_length=n for MultiHeadAttention)",
-                )
-        layer = MultiHeadedAttention(heads, d_in, module.dropout_rate, **flax)
-        names = [f"proj_weights.{i}" for i in range(4)]
-    else:
+    if causal:
         if out != qkv:
             _refuse("out_features", out, f"equal qkv_features ({qkv}) for MultiHeadAttention")
-        layer = MultiHeadAttention(
-            d_in, qkv, context_length, module.dropout_rate, heads, module.use_bias, **flax
-        )
-        names = ["W_query", "W_key", "W_value", "out_proj"]
+        return
+    for option, value in (("qkv_features", qkv), ("out_features", out)):
+        if value != d_in:
+            _refuse(
+                option,
+                value,
+                f"equal in_features ({d_in}) for MultiHeadedAttention "
+                "(or pass causal=True, context_length=n for MultiHeadAttention)",
+            )
+
+
+def _nnx_state(module, names: list[str], always_biased: bool) -> dict[str, np.ndarray]:
+    """``module``'s weights as the documents' state dict of the layer whose query, key, value
+    and output projections are ``names``: kernels reshaped to ``(in, out)`` and transposed to
+    torch's ``(out, in)``, a missing bias as zeros where the layer has one (``always_biased``:
+    ``MultiHeadedAttention``; the output projection always)."""
+    d_in, qkv, out = module.in_features, module.qkv_features, module.out_features
 
     def value(variable) -> np.ndarray:  # gathered first if spread over processes
         return fetch([variable[...]])[0]
@@ -321,10 +336,9 @@ def from_nnx(module, **options):
         state[f"{name}.weight"] = value(linear.kernel).reshape(d_in, qkv).T  # (d_out, d_in)
         if linear.bias is not None:
             state[f"{name}.bias"] = value(linear.bias).reshape(qkv)
-        elif context_length is None:  # MultiHeadedAttention always has biases
+        elif always_biased:
             state[f"{name}.bias"] = np.zeros(qkv, np.float32)
     state[f"{names[3]}.weight"] = value(module.out.kernel).reshape(qkv, out).T  # (out, qkv)
     bias = module.out.bias
     state[f"{names[3]}.bias"] = np.zeros(out, np.float32) if bias is None else value(bias)
-    load_state_dict(layer, state)
-    return _mode(layer, not module.deterministic if module.deterministic is not None else True)
+    return state

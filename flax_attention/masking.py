@@ -6,7 +6,7 @@ and the ``jax.nn`` adapter in ``flax_attention.kernels``) reads that and nothing
 written once in ``AttentionMask.apply``:
 
 1. where the caller's mask is ``False``, the (scaled) score becomes ``fill_value``, clipped to
-   the dtype's finite range (document 001's ``-1e10`` is ``-65504`` in float16);
+   the dtype's finite range (the annotated-transformer post's ``-1e10`` is ``-65504`` in float16);
 2. where causality hides a key (key ``j`` after query ``query_offset + i``), the score becomes
    ``-inf``, after step 1: a causally hidden key stays ``-inf`` even in a row that the caller
    masks entirely, so such a row attends to its visible keys uniformly and never to the future.
@@ -39,9 +39,9 @@ def causal_mask(num_queries: int, num_keys: int, offset=0) -> jax.Array:
 
 
 def representable(fill_value, dtype):
-    """A finite fill (document 001's ``-1e10``) clipped to ``dtype``'s range, so float16 keeps a
-    finite fill (``-65504``) instead of overflowing to ``-inf`` (which would turn a fully masked
-    row into NaN). Float32, bfloat16 and ``-inf`` are unchanged."""
+    """A finite fill (the annotated-transformer post's ``-1e10``) clipped to ``dtype``'s range,
+    so float16 keeps a finite fill (``-65504``) instead of overflowing to ``-inf`` (which would
+    turn a fully masked row into NaN). Float32, bfloat16 and ``-inf`` are unchanged."""
     if math.isfinite(fill_value) and jnp.issubdtype(dtype, jnp.floating):
         return max(float(fill_value), float(jnp.finfo(dtype).min))
     return fill_value
@@ -64,7 +64,7 @@ class AttentionMask:
       keep: the caller's mask, bool, broadcastable to the weights ``(..., h, t, s)``; ``True``
         keeps a score, ``False`` fills it with ``fill_value``. ``None``: no caller's mask.
       fill_value: the fill for ``keep == False``, already representable in the scores' dtype
-        (``-inf`` for the causal family, ``-1e10`` for document 001).
+        (``-inf`` for the causal family, ``-1e10`` for the annotated-transformer post).
       is_causal: query ``i`` sees keys ``j <= query_offset + i`` only; the others get ``-inf``.
       query_offset: absolute position of query 0 (the decode cache's index; may be traced).
     """

@@ -1,4 +1,5 @@
-"""``MultiHeadAttention``: causal heads split from one projection (documents 000 and 002).
+"""``MultiHeadAttention``: causal heads split from one projection (the chapter 3 notebook and
+article).
 
 Shape legend: ``b`` batch (any leading axes), ``t`` = ``num_tokens``, ``d_in`` input features,
 ``d_out`` output features, ``h`` = ``num_heads`` heads of ``d`` = ``head_dim = d_out // h``.
@@ -12,8 +13,9 @@ import numpy as np
 from flax import nnx
 
 from flax_attention import cache as decode_cache
-from flax_attention._checks import check_divisible, check_positive_int
+from flax_attention._checks import check_positive_int, check_splits_over_heads
 from flax_attention._init import linear_factory
+from flax_attention._inputs import check_causal_input
 from flax_attention.axes import (
     FROM_HEADS,
     HEADS,
@@ -24,7 +26,6 @@ from flax_attention.axes import (
 from flax_attention.causal import (
     causal_attention,
     check_causal_args,
-    check_causal_input,
     documents_mask,
 )
 from flax_attention.core import BlockSizes, Implementation
@@ -33,7 +34,8 @@ __all__ = ["MultiHeadAttention"]
 
 
 class MultiHeadAttention(nnx.Module):
-    """Documents 000 and 002, ``MultiHeadAttention``: split heads, causal attention, ``out_proj``.
+    """The chapter 3 notebook and article, ``MultiHeadAttention``: split heads, causal attention,
+    ``out_proj``.
 
     ``x`` ``(..., num_tokens, d_in)`` -> ``(..., num_tokens, d_out)``.
     ``torch_reference/multihead.py`` is the documents' code; its ``forward`` maps to
@@ -44,7 +46,7 @@ class MultiHeadAttention(nnx.Module):
     ==================================================  =========================================
     ``keys = self.W_key(x)``, ``.view(b, t, h, d)``      ``_split_heads(self.W_key(x))``
     ``.transpose(1, 2)`` (heads before tokens)           none: the core takes ``(..., t, h, d)``
-    ``attn_scores = queries @ keys.transpose(2, 3)``     ``dot_product_attention`` (core)
+    ``attn_scores = queries @ keys.transpose(2, 3)``     ``attend`` (core)
     ``attn_scores.masked_fill_(mask_bool, -torch.inf)``  ``is_causal=True`` (``-inf`` above the
                                                          diagonal, ``causal_mask``)
     ``torch.softmax(attn_scores / head_dim ** 0.5)``     ``masked_softmax`` (float32 or wider)
@@ -77,7 +79,7 @@ class MultiHeadAttention(nnx.Module):
     ):
         check_positive_int("num_heads", num_heads)
         check_causal_args(d_in, d_out, context_length, dropout, implementation, block_sizes)
-        check_divisible("d_out", d_out, num_heads)
+        check_splits_over_heads("d_out", d_out, num_heads)
         self.d_in = d_in
         self.d_out = d_out
         self.num_heads = num_heads

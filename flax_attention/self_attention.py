@@ -1,4 +1,5 @@
-"""Self-attention without and with trainable weights (documents 000, 002 and 003), in Flax NNX.
+"""Self-attention without and with trainable weights (the chapter 3 notebook and article, the
+self-attention notebook), in Flax NNX.
 
 Shape legend: ``t`` = ``num_tokens``, ``d_in`` input features, ``d_out`` output features. The
 documents take one sequence ``(num_tokens, d_in)``; these layers also take leading batch axes
@@ -15,7 +16,7 @@ from flax_attention._checks import check_positive_int
 from flax_attention._init import linear_factory, partitioned, torch_rand
 from flax_attention._inputs import check_input
 from flax_attention.axes import ONE_HEAD, TO_HEADS, constrain
-from flax_attention.core import dot_product_attention, masked_softmax
+from flax_attention.core import attend, masked_softmax
 
 __all__ = [
     "softmax_naive",
@@ -27,12 +28,13 @@ __all__ = [
 
 
 def softmax_naive(x):
-    """Document 003, step 1: ``exp(x) / sum(exp(x))`` over the first axis (no max subtraction)."""
+    """The self-attention notebook, step 1: ``exp(x) / sum(exp(x))`` over the first axis (no max
+    subtraction)."""
     return jnp.exp(x) / jnp.exp(x).sum(axis=0)
 
 
 def simplified_self_attention(inputs, *, precision=None):
-    """Documents 000 and 003: attention without weights.
+    """The chapter 3 notebook and the self-attention notebook: attention without weights.
 
     ``inputs`` ``(num_tokens, d_in)``; returns ``(attn_scores, attn_weights, context_vecs)`` with
     shapes ``(num_tokens, num_tokens)``, ``(num_tokens, num_tokens)``, ``(num_tokens, d_in)``.
@@ -49,7 +51,8 @@ def _project(x, kernel, precision):
 
 
 class SelfAttention_v1(nnx.Module):
-    """Document 003, ``SelfAttention_v1``: raw ``(d_in, d_out)`` matrices drawn like ``torch.rand``.
+    """The self-attention notebook, ``SelfAttention_v1``: raw ``(d_in, d_out)`` matrices drawn like
+    ``torch.rand``.
 
     ``x`` ``(..., num_tokens, d_in)`` -> ``(..., num_tokens, d_out)``. The lines of
     ``torch_reference/self_attention.py`` and the calls that replace them here:
@@ -58,7 +61,7 @@ class SelfAttention_v1(nnx.Module):
     document (``torch_reference/self_attention.py``)  here
     ===============================================  ===========================================
     ``keys = x @ self.W_key`` (queries, values)       ``_project``, as ``(..., t, 1, d_out)``
-    ``attn_scores = queries @ keys.T``                ``dot_product_attention`` (core)
+    ``attn_scores = queries @ keys.T``                ``attend`` (core)
     (no mask)                                         no ``mask``, ``is_causal=False``
     ``torch.softmax(attn_scores / d_k ** 0.5)``       ``masked_softmax`` (float32 or wider)
     (no dropout)                                      no ``dropout``
@@ -100,12 +103,13 @@ class SelfAttention_v1(nnx.Module):
         queries = constrain(_project(x, W_query, self.precision)[..., None, :], ONE_HEAD)
         values = constrain(_project(x, W_value, self.precision)[..., None, :], ONE_HEAD)
         # keys, queries, values: (..., t, 1, d_out)
-        context_vec, _ = dot_product_attention(queries, keys, values, precision=self.precision)
+        context_vec = attend(queries, keys, values, precision=self.precision)
         return context_vec[..., 0, :]  # (..., t, d_out)
 
 
 class SelfAttention_v2(nnx.Module):
-    """Document 003, ``SelfAttention_v2`` (documents 000 and 002 call it ``SelfAttention``).
+    """The self-attention notebook, ``SelfAttention_v2`` (the chapter 3 notebook and article call it
+    ``SelfAttention``).
 
     ``nnx.Linear`` projections with torch's initialisers, optional bias.
     ``x`` ``(..., num_tokens, d_in)`` -> ``(..., num_tokens, d_out)``. The lines of
@@ -115,7 +119,7 @@ class SelfAttention_v2(nnx.Module):
     document (``torch_reference/self_attention.py``)  here
     ===============================================  ===========================================
     ``keys = self.W_key(x)`` (queries, values)        the same, as ``(..., t, 1, d_out)``
-    ``attn_scores = queries @ keys.T``                ``dot_product_attention`` (core)
+    ``attn_scores = queries @ keys.T``                ``attend`` (core)
     (no mask)                                         no ``mask``, ``is_causal=False``
     ``torch.softmax(attn_scores / d_k ** 0.5,         ``masked_softmax`` over the keys (float32
     dim=1)``                                          or wider)
@@ -156,9 +160,9 @@ class SelfAttention_v2(nnx.Module):
         keys = constrain(self.W_key(x)[..., None, :], ONE_HEAD)  # (..., t, 1, d_out)
         queries = constrain(self.W_query(x)[..., None, :], ONE_HEAD)  # (..., t, 1, d_out)
         values = constrain(self.W_value(x)[..., None, :], ONE_HEAD)  # (..., t, 1, d_out)
-        context_vec, _ = dot_product_attention(queries, keys, values, precision=self.precision)
+        context_vec = attend(queries, keys, values, precision=self.precision)
         return context_vec[..., 0, :]  # (..., t, d_out)
 
 
-#: Documents 000 and 002 name the same layer ``SelfAttention``.
+#: The chapter 3 notebook and article name the same layer ``SelfAttention``.
 SelfAttention = SelfAttention_v2

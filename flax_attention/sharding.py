@@ -7,7 +7,7 @@ layers only through what they declare:
 - every variable's partition metadata (``out_sharding``, see ``nnx.with_partitioning``;
   ``nnx.get_partition_spec(nnx.state(layer))`` reads it): query/key/value projections split
   their output features over ``model`` (kernel ``(None, "model")``, bias ``("model",)``),
-  ``out_proj`` (and document 001's fourth projection) its input features (kernel
+  ``out_proj`` (and the annotated-transformer post's fourth projection) its input features (kernel
   ``("model", None)``, bias replicated), so its matmul reduces over ``model`` (one all-reduce
   per layer); decode caches ``(b, h, max_length, d)`` split batch over ``data`` and heads over
   ``model`` (one head: its features);
@@ -107,7 +107,9 @@ def _check_spans_processes(mesh) -> None:
         )
 
 
-def _check_divisible(module, mesh) -> None:
+def _check_splits_over_model(module, mesh) -> None:
+    """Each size a layer splits over the ``model`` axis (``model_axis_sizes``), and each
+    partitioned dimension of every variable, divides over its mesh axes."""
     model = mesh_axis_size(mesh, MODEL)
     for path, node in nnx.iter_graph(module):
         if not isinstance(node, SplitsOverModel):
@@ -127,7 +129,7 @@ def check_shardable(module: nnx.Module, mesh: jax.sharding.Mesh) -> None:
     """Raise what ``shard(module, mesh)`` would raise, without moving anything."""
     _check_mesh(mesh)
     _check_spans_processes(mesh)
-    _check_divisible(module, mesh)
+    _check_splits_over_model(module, mesh)
 
 
 def shard(module: nnx.Module, mesh: jax.sharding.Mesh) -> nnx.Module:

@@ -10,7 +10,7 @@ torch key                   Flax variable                       layout
 ``W_query`` (v1)            ``W_query``                         ``(d_in, d_out)``, unchanged
 ``mask`` (buffer)           derived from ``context_length``     ``triu(ones, diagonal=1)``
 ``heads.{i}.…``             ``heads[i].…``                      wrapper heads
-``proj_weights.{i}.…``      ``proj_weights[i].…``               document 001 projections
+``proj_weights.{i}.…``      ``proj_weights[i].…``               annotated-transformer projections
 ==========================  ==================================  ==========================
 
 Every torch ``nn.Linear`` weight is the transpose of the Flax kernel; everything else keeps its
@@ -375,10 +375,12 @@ class _Piece:
         return value if dtype is None else value.astype(dtype)
 
 
-def _split(name, target: _Target, value: np.ndarray, updates: list, source=None) -> str | None:
-    """Append ``(variable, _Piece)`` for each part of ``value`` to ``updates`` (read from
-    ``source`` when placed, ``value`` itself if ``None``), or return the first problem (a part
-    that overflows, nonzero where the layer has no such bias)."""
+def _cut_fused(name, target: _Target, value: np.ndarray, updates: list, source=None) -> str | None:
+    """Cut a layout key's ``value`` into its parts (a fused key such as GPT-2's ``c_attn``: q,
+    k, v stacked) and append ``(variable, _Piece)`` for each part to ``updates`` (read from
+    ``source`` when placed, ``value`` itself if ``None``); or return the first problem (a part
+    that overflows, nonzero where the layer has no such bias) and append nothing, so a key
+    loads whole or not at all."""
     source = value if source is None else source
     value = value.T if target.transpose else value
     start = 0
@@ -465,21 +467,13 @@ def load_state_dict(
         )
     spec = _layout(module, layout)
     _check_prefix(prefix)
-    given = {
+    given = {  # layout key -> the key as offered, prefix included
         key[len(prefix) :]: key
         for key in state_dict.keys()
         if isinstance(key, str) and key.startswith(prefix)
     }
     targets = _targets(module, spec, given)
-    values = {name: state_dict[full] for name, full in given.items()}
-    if (
-        spec.bias_free_when in given
-        and spec.bias_free
-        and not any(name in given for name in spec.bias_free)
-    ):  # a bias-free peer (torch.nn.MultiheadAttention(bias=False)): its biases are zeros
-        for name in spec.bias_free:
-            values[name] = np.zeros(targets[name].layout_shape, np.float32)
-    refused = dict(spec.refused)
+    values = _offered_values(spec, targets, state_dict, given)
     missing = [
         prefix + name
         for name, t in targets.items()
@@ -488,6 +482,34 @@ def load_state_dict(
     unexpected = [full for name, full in given.items() if name not in targets]
     if not prefix:  # a key that is not a string cannot be any layer's
         unexpected += [key for key in state_dict.keys() if not isinstance(key, str)]
+    mismatched, problems, updates = _check_values(targets, values, prefix)
+    if strict and (missing or unexpected or mismatched):
+        raise _strict_error(module, spec, prefix, missing, unexpected, problems)
+    for variable, value in updates:  # all checked: written only now
+        _assign(variable, value)
+    return IncompatibleKeys(missing, unexpected, mismatched)
+
+
+def _offered_values(spec: Layout, targets: dict[str, _Target], state_dict, given: dict) -> dict:
+    """Layout key -> the value offered for it (``given`` maps it to its key in
+    ``state_dict``); a bias-free peer's absent biases as the zeros they stand for."""
+    values = {name: state_dict[full] for name, full in given.items()}
+    if (
+        spec.bias_free_when in given
+        and spec.bias_free
+        and not any(name in given for name in spec.bias_free)
+    ):  # a bias-free peer (torch.nn.MultiheadAttention(bias=False)): its biases are zeros
+        for name in spec.bias_free:
+            values[name] = np.zeros(targets[name].layout_shape, np.float32)
+    return values
+
+
+def _check_values(
+    targets: dict[str, _Target], values: dict, prefix: str
+) -> tuple[list[str], list[str], list[tuple[nnx.Variable, _Piece]]]:
+    """Check every offered value against its target, writing nothing: the mismatched keys
+    (full names), one problem line for each, and ``(variable, _Piece)`` for every parameter
+    of the keys that passed."""
     mismatched: list[str] = []
     problems: list[str] = []
     updates: list[tuple[nnx.Variable, _Piece]] = []
@@ -507,26 +529,28 @@ def load_state_dict(
         elif problem is None and target.buffer is None:
             # A file's tensor is read again, by slices, when placed; held values are kept.
             source = values[name] if isinstance(values[name], FileTensor) else None
-            problem = _split(full, target, value, updates, source)
+            problem = _cut_fused(full, target, value, updates, source)
         if problem is not None:
             mismatched.append(full)
             problems.append(problem)
-    if strict and (missing or unexpected or mismatched):
-        lines = [f"missing key {name}" for name in missing]
-        lines += [
-            f"unexpected key {full}" + (f" ({refused[name]})" if name in refused else "")
-            for name, full in given.items()
-            if name not in targets
-        ]
-        lines += [f"unexpected key {key!r}" for key in unexpected if not isinstance(key, str)]
-        lines += problems
-        raise ValueError(
-            f"load_state_dict into {type(module).__name__} (strict=True) found "
-            f"{len(lines)} problem(s); nothing was loaded:\n  " + "\n  ".join(lines)
-        )
-    for variable, value in updates:
-        _assign(variable, value)
-    return IncompatibleKeys(missing, unexpected, mismatched)
+    return mismatched, problems, updates
+
+
+def _strict_error(module, spec: Layout, prefix: str, missing, unexpected, problems) -> ValueError:
+    """The one error of a strict load that found problems: a line per offending key."""
+    refused = dict(spec.refused)  # a peer's key no layer here takes -> why
+    lines = [f"missing key {name}" for name in missing]
+    for key in unexpected:
+        if not isinstance(key, str):
+            lines.append(f"unexpected key {key!r}")
+            continue
+        name = key[len(prefix) :]
+        lines.append(f"unexpected key {key}" + (f" ({refused[name]})" if name in refused else ""))
+    lines += problems
+    return ValueError(
+        f"load_state_dict into {type(module).__name__} (strict=True) found "
+        f"{len(lines)} problem(s); nothing was loaded:\n  " + "\n  ".join(lines)
+    )
 
 
 def save_file(

@@ -7,6 +7,22 @@ The documents walk through chapter 3 ("Coding attention mechanisms") of Sebastia
 function mirrors a document (named in its docstring); the only changes are clear errors for bad
 input and the causal-mask functions making their mask on the scores' device (listed in
 ``docs/deviations.md``).
+
+The documents, by the names the code uses (the conformance data, ``conformance_tests/documents.py``,
+cites them by number and cell):
+
+=====  ==================================  ==================================================
+no.    name                                what it holds
+=====  ==================================  ==================================================
+000    the chapter 3 notebook              every layer from weight-free attention to
+                                           ``MultiHeadAttention``, with printed outputs
+001    the annotated-transformer post      ``attention`` and ``MultiHeadedAttention`` with
+                                           separate query, key, value and a ``-1e10`` mask
+002    the chapter 3 article               the same walkthrough as 000, explained
+003    the self-attention notebook         ``softmax_naive``, ``SelfAttention_v1``/``_v2``,
+                                           with printed outputs
+004    the ``CausalAttention`` listing     ``CausalAttention`` and its batch test
+=====  ==================================  ==================================================
 """
 
 from torch_reference.annotated import MultiHeadedAttention, attention, clones

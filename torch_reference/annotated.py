@@ -1,4 +1,4 @@
-"""``MultiHeadedAttention``, ``attention`` and ``clones``: the annotated transformer (document 001).
+"""``MultiHeadedAttention``, ``attention`` and ``clones``: the annotated-transformer post.
 
 Shape legend: ``b`` batch, ``num_heads`` heads, ``q_len`` query tokens, ``k_len`` key/value
 tokens, ``d_model`` model features, ``k_dim = d_model // num_heads`` features per head.
@@ -13,7 +13,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from torch_reference._checks import (
-    check_divisible,
     check_dropout,
     check_features,
     check_floating,
@@ -21,13 +20,14 @@ from torch_reference._checks import (
     check_positive_int,
     check_rank,
     check_same,
+    check_splits_over_heads,
 )
 
 __all__ = ["MultiHeadedAttention", "attention", "clones"]
 
 
 class MultiHeadedAttention(nn.Module):
-    """Document 001, ``MultiHeadedAttention(num_heads, d_model, dropout=0.1)``.
+    """The annotated-transformer post, ``MultiHeadedAttention(num_heads, d_model, dropout=0.1)``.
 
     ``query`` ``(b, q_len, d_model)``, ``key`` and ``value`` ``(b, k_len, d_model)``, ``mask``
     ``(b, q_len, k_len)`` or any shape that broadcasts to it such as ``(1, q_len, k_len)`` or a
@@ -41,7 +41,7 @@ class MultiHeadedAttention(nn.Module):
         check_positive_int("num_heads", num_heads)
         check_positive_int("d_model", d_model)
         check_dropout(dropout)
-        check_divisible("d_model", d_model, num_heads)
+        check_splits_over_heads("d_model", d_model, num_heads)
         # Assume v_dim always equals k_dim
         self.k_dim = d_model // num_heads
         self.num_heads = num_heads
@@ -86,7 +86,7 @@ def attention(
     mask: Tensor | None = None,
     dropout: nn.Module | None = None,
 ):
-    """Document 001, ``attention``: scaled dot product with an optional ``mask == 0`` fill.
+    """The annotated-transformer post, ``attention``: scaled dot product, ``mask == 0`` filled.
 
     Args:
         query: shape (..., q_len, k_dim), e.g. (b, num_heads, q_len, k_dim)

@@ -1,7 +1,7 @@
 """Causal attention: masking two ways, ``CausalAttention`` and ``MultiHeadAttentionWrapper``.
 
-Documents 000, 002 and 004. Shape legend: ``b`` batch, ``num_tokens`` tokens, ``d_in`` input
-features, ``d_out`` features per head.
+The chapter 3 notebook and article and the ``CausalAttention`` listing. Shape legend: ``b`` batch,
+``num_tokens`` tokens, ``d_in`` input features, ``d_out`` features per head.
 """
 
 import torch
@@ -25,7 +25,8 @@ __all__ = [
 
 
 def causal_attn_weights_renormalized(attn_scores, d_key):
-    """Document 000, causal masking, first way: softmax, zero the future, renormalise the rows.
+    """The chapter 3 notebook, causal masking, first way: softmax, zero the future, renormalise the
+    rows.
 
     ``attn_scores`` ``(..., num_tokens, num_tokens)`` unscaled; returns the masked weights.
     """
@@ -40,7 +41,8 @@ def causal_attn_weights_renormalized(attn_scores, d_key):
 
 
 def causal_attn_weights_masked_fill(attn_scores, d_key):
-    """Document 000, causal masking, second way: fill the future with ``-inf``, then softmax.
+    """The chapter 3 notebook, causal masking, second way: fill the future with ``-inf``, then
+    softmax.
 
     ``attn_scores`` ``(..., num_tokens, num_tokens)`` unscaled; returns the masked weights.
     """
@@ -69,7 +71,8 @@ def check_causal_args(d_in, d_out, context_length, dropout):
 
 
 class CausalAttention(nn.Module):
-    """Documents 000, 002 and 004, ``CausalAttention``: one head, ``-inf`` above the diagonal.
+    """The chapter 3 notebook and article and the ``CausalAttention`` listing:
+    ``CausalAttention``: one head, ``-inf`` above the diagonal.
 
     ``x`` ``(b, num_tokens, d_in)`` -> ``(b, num_tokens, d_out)``; the ``mask`` buffer is
     ``triu(ones(context_length, context_length), diagonal=1)``.
@@ -106,7 +109,8 @@ class CausalAttention(nn.Module):
 
 
 class MultiHeadAttentionWrapper(nn.Module):
-    """Document 000, ``MultiHeadAttentionWrapper``: ``num_heads`` stacked ``CausalAttention``.
+    """The chapter 3 notebook, ``MultiHeadAttentionWrapper``: ``num_heads`` stacked
+    ``CausalAttention``.
 
     ``x`` ``(b, num_tokens, d_in)`` -> ``(b, num_tokens, num_heads * d_out)``. The document names
     the third argument ``sequence_length``; API.md and the other layers call it

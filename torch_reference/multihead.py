@@ -1,4 +1,5 @@
-"""``MultiHeadAttention``: causal heads split from one projection (documents 000 and 002).
+"""``MultiHeadAttention``: causal heads split from one projection (the chapter 3 notebook and
+article).
 
 Shape legend: ``b`` batch, ``num_tokens`` tokens, ``d_in`` input features, ``d_out`` output
 features, ``num_heads`` heads of ``head_dim = d_out // num_heads`` features.
@@ -7,14 +8,15 @@ features, ``num_heads`` heads of ``head_dim = d_out // num_heads`` features.
 import torch
 import torch.nn as nn
 
-from torch_reference._checks import check_divisible, check_positive_int
+from torch_reference._checks import check_positive_int, check_splits_over_heads
 from torch_reference.causal import check_causal_args, check_causal_input
 
 __all__ = ["MultiHeadAttention"]
 
 
 class MultiHeadAttention(nn.Module):
-    """Documents 000 and 002, ``MultiHeadAttention``: view/transpose heads, then ``out_proj``.
+    """The chapter 3 notebook and article, ``MultiHeadAttention``: view/transpose heads, then
+    ``out_proj``.
 
     ``x`` ``(b, num_tokens, d_in)`` -> ``(b, num_tokens, d_out)``. The documents'
     ``assert d_out % num_heads == 0`` is a ``ValueError`` here.
@@ -24,7 +26,7 @@ class MultiHeadAttention(nn.Module):
         super().__init__()
         check_positive_int("num_heads", num_heads)
         check_causal_args(d_in, d_out, context_length, dropout)
-        check_divisible("d_out", d_out, num_heads)
+        check_splits_over_heads("d_out", d_out, num_heads)
 
         self.d_out = d_out
         self.num_heads = num_heads

@@ -1,4 +1,5 @@
-"""Self-attention without and with trainable weights (documents 000, 002 and 003).
+"""Self-attention without and with trainable weights (the chapter 3 notebook and article, the
+self-attention notebook).
 
 Shape legend: ``num_tokens`` tokens of ``d_in`` features in, ``d_out`` features out. The layers of
 this file take one unbatched sequence ``x`` of shape ``(num_tokens, d_in)``, as the documents do
@@ -20,12 +21,14 @@ __all__ = [
 
 
 def softmax_naive(x):
-    """Document 003, step 1: ``exp(x) / sum(exp(x))`` over the first axis (no max subtraction)."""
+    """The self-attention notebook, step 1: ``exp(x) / sum(exp(x))`` over the first axis (no max
+    subtraction)."""
     return torch.exp(x) / torch.exp(x).sum(dim=0)
 
 
 def simplified_self_attention(inputs):
-    """Documents 000 ("compute all context vectors") and 003: attention without weights.
+    """The chapter 3 notebook ("compute all context vectors") and the self-attention notebook:
+    attention without weights.
 
     ``inputs`` ``(num_tokens, d_in)``; returns ``(attn_scores, attn_weights, context_vecs)`` with
     shapes ``(num_tokens, num_tokens)``, ``(num_tokens, num_tokens)``, ``(num_tokens, d_in)``.
@@ -43,7 +46,8 @@ def _check_input(x, d_in):
 
 
 class SelfAttention_v1(nn.Module):
-    """Document 003, ``SelfAttention_v1``: raw ``nn.Parameter(torch.rand(d_in, d_out))`` weights.
+    """The self-attention notebook, ``SelfAttention_v1``: raw ``nn.Parameter(torch.rand(d_in,
+    d_out))`` weights.
 
     ``x`` ``(num_tokens, d_in)`` -> ``(num_tokens, d_out)``.
     """
@@ -71,7 +75,8 @@ class SelfAttention_v1(nn.Module):
 
 
 class SelfAttention_v2(nn.Module):
-    """Document 003, ``SelfAttention_v2`` (documents 000 and 002 call it ``SelfAttention``).
+    """The self-attention notebook, ``SelfAttention_v2`` (the chapter 3 notebook and article call it
+    ``SelfAttention``).
 
     ``nn.Linear`` projections, optional bias; softmax over ``dim=1`` of the 2-D score matrix.
     ``x`` ``(num_tokens, d_in)`` -> ``(num_tokens, d_out)``.
@@ -99,5 +104,5 @@ class SelfAttention_v2(nn.Module):
         return context_vec
 
 
-#: Documents 000 and 002 name the same layer ``SelfAttention``.
+#: The chapter 3 notebook and article name the same layer ``SelfAttention``.
 SelfAttention = SelfAttention_v2

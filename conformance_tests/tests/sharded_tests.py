@@ -769,3 +769,37 @@ def test_native_dropout_keep_mask_on_a_mesh_equals_one_device(kind):
     np.testing.assert_array_equal(np.round(sharded), np.round(one_device))
     np.testing.assert_allclose(sharded, one_device, atol=1e-6)
     assert 0.6 < expected.mean() < 0.8  # the mask drops about rate of the weights
+
+
+@pytest.mark.skipif(not native.available(), reason=f"native kernel: {native.why_unavailable()}")
+@pytest.mark.parametrize("kind", AXIS_TYPES)
+def test_native_per_head_mask_on_a_mesh_equals_one_device(kind):
+    """A ``(b, h, t, s)`` keep-mask that differs by batch row and by head: on 2x4 each device's
+    kernel gets its own rows' and heads' slice of the mask (split as the queries are), so the
+    output and the gradients of q, k, v equal one device."""
+    b, t, h, d = 8, 8, 8, 4
+    rng = np.random.default_rng(5)
+    q, k, v, cotangent = (rng.standard_normal((b, t, h, d)).astype(np.float32) for _ in range(4))
+    keep = rng.random((b, h, t, t)) < 0.5  # (b, h, t, s)
+    keep[..., np.arange(t), np.arange(t)] = True  # no row fully masked
+    assert len({keep[:, i].tobytes() for i in range(h)}) == h  # each head its own mask
+    assert len({keep[i].tobytes() for i in range(b)}) == b  # each batch row its own mask
+
+    def run(q, k, v, keep):
+        def loss(q, k, v):
+            out = native.native_attention(q, k, v, AttentionMask(keep=keep))
+            return (out * cotangent).sum(), out
+
+        (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+        return {"out": out, **{f"grad {n}": g for n, g in zip("qkv", grads, strict=True)}}
+
+    reference = jax.jit(run)(q, k, v, keep)
+    mesh = make_mesh((2, 4), kind=kind)
+    split = NamedSharding(mesh, P("data", None, "model", None))
+    with jax.set_mesh(mesh):
+        args = [jax.device_put(a, split) for a in (q, k, v)]
+        args.append(jax.device_put(keep, NamedSharding(mesh, P("data", "model"))))
+        compiled = jax.jit(run).lower(*args).compile()
+        actual = compiled(*args)
+    assert_close(reference, actual, f"native with a per-head mask on 2x4 ({kind})")
+    assert_native_runs_per_shard(compiled.as_text(), (2, 4), [q.shape] * 3)

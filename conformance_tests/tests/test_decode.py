@@ -241,6 +241,24 @@ def test_generate_equals_the_full_pass_over_its_own_outputs(name):
         fa.generate(_layer(name), prompt, 2)
 
 
+def test_generate_fills_the_cache_exactly_and_refuses_one_step_more():
+    """A slot holds one token's key and value: a 4-token prompt and 6 steps fill 10 slots
+    exactly (the last step's row still equals the full pass); 7 steps would need 11."""
+    layer = _layer("mha")
+    prompt = _x(1, 4, seed=5)
+    with jax.default_matmul_precision("highest"):
+        layer.init_cache(1, max_length=10)
+        ys = fa.generate(layer, prompt, 6)  # (1, 7, 8)
+        full = _layer("mha")(jnp.concatenate([prompt, ys[:, :-1]], axis=1))  # (1, 10, 8)
+    assert int(layer.cache_index[...]) == 10
+    diff = _max_diff(ys, full[:, 3:])
+    assert diff <= DECODE_ATOL, f"generate into 10 slots vs full pass {diff:.2e}"
+    layer.init_cache(1, max_length=10)
+    message = r"\(0 \+ 4 \+ 7\) must not exceed the cache's max_length \(10\)"
+    with pytest.raises(ValueError, match=message):
+        fa.generate(layer, prompt, 7)
+
+
 def test_generate_does_not_recompile_for_a_new_cache_of_the_same_shape():
     layer = _layer("mha")
     prompt = _x(1, 3)

@@ -250,6 +250,33 @@ def test_blocked_masks_only_the_tiles_that_need_it():
     assert [int(blocked._first_full_query_block(dense, 0, j)) for j in range(4)] == [0, 0, 0, 0]
 
 
+def test_blocked_at_a_query_offset_with_taller_query_tiles_equals_reference():
+    """A prefill continuation: 32 queries at offset 8 over 40 keys, causal, in 16 x 8 tiles
+    (``block_q > block_k``). Query tile 0 (positions 8..23) needs key tiles 0..2, query tile 1
+    (24..39) all 5: a key-tile count short by one tile, or counted in query tiles, or from the
+    tile's first query, drops keys a query sees. Output and gradients equal ``reference``."""
+    q, k, v, _, cotangent = _core_inputs((2,), 32, 40, 2, 4, 4, None)
+
+    def attend(implementation):
+        def fn(q, k, v):
+            return core.dot_product_attention(
+                q,
+                k,
+                v,
+                is_causal=True,
+                query_offset=8,
+                implementation=implementation,
+                need_weights=False,
+                block_sizes=fa.BlockSizes(block_q=16, block_k=8),
+            )[0]
+
+        return fn
+
+    expected = _grads(attend("reference"), q, k, v, cotangent)
+    actual = _grads(attend("blocked"), q, k, v, cotangent)
+    _assert_all_close(expected, actual, "blocked, 16 x 8 tiles at query offset 8")
+
+
 def test_block_sizes_are_an_argument_that_changes_the_tiles_not_the_numbers():
     """The same call with 4 x 4, 3 x 5 and automatic tiles: the same output (to float32
     rounding); ``BlockSizes.automatic`` follows ``TILE_BYTES``; bad sizes are refused."""

@@ -314,6 +314,25 @@ def test_bad_content_in_a_layout_names_the_prefixed_key_and_changes_nothing(case
             assert np.array_equal(loaded[name], value.astype(loaded[name].dtype)), f"{case}: {name}"
 
 
+def test_a_fused_key_whose_value_third_overflows_loads_none_of_its_parts():
+    # c_attn.weight is (d_in, 3 d_out): columns 0:6 W_query, 6:12 W_key, 12:18 W_value. Only the
+    # value third overflows float16; the query and key thirds are fine but must not be written.
+    state = fa.state_dict(_mha(seed=1), layout="gpt2")
+    state["c_attn.weight"] = np.array(state["c_attn.weight"], copy=True)
+    state["c_attn.weight"][:, 12:] = 1e6
+    layer = fa.MultiHeadAttention(6, 6, 5, 0.0, 3, True, rngs=nnx.Rngs(0), param_dtype=np.float16)
+    before = _snapshot(layer)
+
+    with pytest.raises(ValueError, match=r"c_attn.weight: overflows float16"):
+        fa.load_state_dict(layer, state, layout="gpt2")
+    result = fa.load_state_dict(layer, state, strict=False, layout="gpt2")
+    assert result == fa.IncompatibleKeys([], [], ["c_attn.weight"]), result
+    after = _snapshot(layer)
+    for key in ("W_query.weight", "W_key.weight", "W_value.weight"):
+        assert np.array_equal(after[key], before[key]), f"{key} changed"
+    assert np.array_equal(after["out_proj.weight"], state["c_proj.weight"].T.astype(np.float16))
+
+
 def test_prefix_selects_one_layer_and_strictness_is_under_it():
     layers = [_mha(seed=i) for i in range(3)]
     whole = {}

@@ -102,7 +102,8 @@ def test_the_reference_report_and_tests_need_only_their_extras():
     imported = _imports(_files("conformance_tests")) | _imports(_files("benchmarks"))
     assert set(imported) <= report, f"undeclared for the report: {set(imported) - report}"
     dev = report | _extra("dev")
-    imported = _imports(_files("conformance_tests", tests=True) + _files("examples"))
+    tests = _files("conformance_tests", tests=True) + _files("benchmarks", tests=True)
+    imported = _imports(tests + _files("examples"))
     assert set(imported) <= dev, f"undeclared for the tests: {set(imported) - dev}"
     assert {"pytest", "pytest-xdist", "hypothesis", "ruff", "transformers", "tokenizers"} <= dev
 

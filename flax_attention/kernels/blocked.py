@@ -38,9 +38,9 @@ from flax_attention.masking import AttentionMask, flatten_mask
 __all__ = ["TILE_BYTES", "TILE_EDGES", "BlockSizes", "blocked_attention"]
 
 #: One tile of float32 scores spans every batch row and head (``B * h * edge**2 * 4`` bytes).
-#: ``BlockSizes.automatic`` takes the largest edge in ``TILE_EDGES`` whose tile fits this budget:
-#: on a 2-core CPU 64 at b8 x 12 heads (533 -> 455 ms at t1024 over 128) and 256 at b1
-#: (670 -> 585 ms at t4096).
+#: ``BlockSizes.automatic`` takes the largest edge in ``TILE_EDGES`` whose tile fits this budget
+#: (64 at b8 x 12 heads, 256 at b1; measured in ``docs/performance.md``, "Choosing an
+#: implementation").
 TILE_BYTES = 4 * 2**20
 TILE_EDGES = (256, 128, 64)
 

@@ -41,8 +41,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from flax_attention._inputs import check_token_ids, check_zero_one
 from flax_attention.axes import DATA, mesh_axis_size, parameters_mesh, place
-from flax_attention.models.gpt import GPTModel, check_token_ids, check_zero_one
+from flax_attention.models.gpt import GPTModel
 
 __all__ = ["generate", "generate_text_simple"]
 
@@ -240,8 +241,8 @@ def _argmax(logits):
     whether it holds a NaN, then the first index holding the maximum (the first NaN where there
     is one, as ``jnp.argmax`` picks), so ties, NaN and all ``-inf`` rows give ``jnp.argmax``'s
     index. XLA's CPU argmax is one reduction over (value, index) pairs, which it does not
-    vectorise: over GPT-2's 50257 logits it took 1.8 ms per step at batch 8 (0.22 ms at batch
-    1), these 0.3 ms (0.04 ms), on the 2-core AMD EPYC of ``docs/performance.md``."""
+    vectorise; these reductions are about 6 times faster over GPT-2's logits
+    (``docs/performance.md``, "Choosing an implementation")."""
     nan = jnp.isnan(logits)  # (b, V)
     top = jnp.max(logits, axis=-1, keepdims=True)  # (b, 1)
     hit = jnp.where(jnp.any(nan, axis=-1, keepdims=True), nan, logits == top)  # (b, V)

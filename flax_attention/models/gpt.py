@@ -39,12 +39,11 @@ import numbers
 import os
 from collections.abc import Mapping
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from flax_attention._init import linear_factory
+from flax_attention._inputs import check_model_inputs
 from flax_attention.axes import (
     FROM_HEADS,
     TO_HEADS,
@@ -202,32 +201,6 @@ class FeedForward(nnx.Module):
         return self.layers[2](hidden, out_sharding=out_sharding_like(x))  # (b, t, d)
 
 
-def check_token_ids(name: str, ids: np.ndarray, vocab_size: int) -> None:
-    """``ids`` (concrete) are integers below ``vocab_size``: the lookup fills an id out of range
-    with NaN, which reaches every later position through the attention."""
-    if not np.issubdtype(ids.dtype, np.integer):
-        raise TypeError(f"{name} (dtype {ids.dtype}) must hold integer token ids")
-    if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
-        raise ValueError(
-            f"{name} (ids {ids.min()}..{ids.max()}) must lie in 0..{vocab_size - 1} (vocab_size)"
-        )
-
-
-def check_zero_one(mask: np.ndarray) -> None:
-    """An ``attention_mask`` (concrete) holds only 0 and 1: a 2 would count as two positions."""
-    if not np.all((mask == 0) | (mask == 1)):
-        values = sorted({v.item() for v in np.unique(mask)})[:5]
-        raise ValueError(f"attention_mask (values {values}) must hold only 0 and 1")
-
-
-def _check_values(in_idx, attention_mask, vocab_size: int) -> None:
-    """Outside ``jit`` (concrete arrays) the ids and the mask; traced values go unchecked."""
-    if not isinstance(in_idx, jax.core.Tracer):
-        check_token_ids("in_idx", np.asarray(in_idx), vocab_size)
-    if attention_mask is not None and not isinstance(attention_mask, jax.core.Tracer):
-        check_zero_one(np.asarray(attention_mask))
-
-
 class TransformerBlock(nnx.Module):
     """The book's ``TransformerBlock``: ``x + drop_resid(att(norm1(x)))``, then
     ``x + drop_resid(ff(norm2(x)))``."""
@@ -358,7 +331,7 @@ class GPTModel(nnx.Module):
             raise ValueError(
                 f"in_idx.ndim ({jnp.ndim(in_idx)}, shape {jnp.shape(in_idx)}) must be 2 (b, t)"
             )
-        _check_values(in_idx, attention_mask, self.cfg["vocab_size"])
+        check_model_inputs(in_idx, attention_mask, self.cfg["vocab_size"])
         seq_len = in_idx.shape[-1]
         offset = self.trf_blocks[0].att.cache_index[...] if decode else 0
         if attention_mask is None:

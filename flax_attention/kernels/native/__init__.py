@@ -26,8 +26,8 @@ On a mesh (``jax.set_mesh``) each device runs the kernel on its own batch rows a
 with a batch axis; an unbatched ``(t, h, d)`` call runs whole on every device): XLA
 cannot split a custom call and would gather its operands onto every device, so
 ``native_attention`` calls it inside ``jax.shard_map`` over the leading (batch) axes and the
-heads (``_split``). Where they go: on ``Explicit`` mesh axes, where the queries' type puts them;
-on ``Auto`` axes (also inside ``jax.sharding.auto_axes``, where the attention core runs its
+heads (``_shard_specs``). Where they go: on ``Explicit`` mesh axes, where the queries' type puts
+them; on ``Auto`` axes (also inside ``jax.sharding.auto_axes``, where the attention core runs its
 kernels on an explicit mesh) the package's layout, ``flax_attention.axes.HEADS`` (the first
 leading axis over ``data``, the heads over ``model``); an axis that does not divide its
 dimension stays whole. Query tokens, keys and features are never split (a head needs all its
@@ -53,11 +53,19 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, PartitionSpec
 
-from flax_attention.axes import DATA, MODEL
+from flax_attention.axes import DATA, MODEL, axis_names, axis_types, spec_entry, spec_of
 from flax_attention.kernels import dropout_hash
 from flax_attention.masking import AttentionMask, flatten_mask
 
-__all__ = ["available", "why_unavailable", "native_attention"]
+__all__ = [
+    "available",
+    "can_run",
+    "check_dtypes",
+    "why_not_here",
+    "why_unavailable",
+    "native_attention",
+    "run",
+]
 
 _FORWARD, _BACKWARD = "flax_attention_native_forward", "flax_attention_native_backward"
 _HERE = pathlib.Path(__file__).parent
@@ -121,6 +129,30 @@ def why_unavailable() -> str | None:
     return _load()
 
 
+def why_not_here() -> str | None:
+    """Why the kernel cannot run in this process (``why_unavailable``, or a default backend other
+    than the CPU), or ``None``."""
+    if jax.default_backend() != "cpu":
+        return f"the backend is {jax.default_backend()!r}, the kernel runs on the CPU"
+    return _load()
+
+
+_DTYPES = (jnp.float32, jnp.bfloat16)
+
+
+def check_dtypes(**arrays) -> None:
+    """Each named array (``queries=...``) float32 or bfloat16, else ``TypeError`` naming it."""
+    for name, x in arrays.items():
+        if x.dtype not in _DTYPES:
+            raise TypeError(f"{name}.dtype ({x.dtype}) must be float32 or bfloat16")
+
+
+def can_run(*arrays) -> bool:
+    """Whether ``native_attention`` runs these inputs here: the kernel on, the CPU, and each of
+    ``arrays`` float32 or bfloat16 (what ``implementation=None`` asks before choosing it)."""
+    return why_not_here() is None and all(x.dtype in _DTYPES for x in arrays)
+
+
 def native_attention(
     queries,
     keys,
@@ -141,9 +173,9 @@ def native_attention(
       queries, keys, values: float32 or bfloat16, layout as above.
       attention_mask: the core's one description of what is hidden
         (``flax_attention.masking.AttentionMask``): the caller's keep-mask, its fill (``-inf``:
-        a fully masked row is NaN, as softmax; document 001's ``-1e10``: uniform over the keys
-        causality leaves), causality (hidden keys are ``-inf`` and their key tiles are never
-        computed) and the query offset (an int or a traced int32 scalar).
+        a fully masked row is NaN, as softmax; the annotated-transformer post's ``-1e10``:
+        uniform over the keys causality leaves), causality (hidden keys are ``-inf`` and their
+        key tiles are never computed) and the query offset (an int or a traced int32 scalar).
       precision: accepted for the common signature; the kernel computes in float32.
       dropout_rate: dropout on the weights inside the tiles, kept weights scaled by
         ``1 / (1 - rate)``; the keep-mask is ``dropout_hash.keep_mask(dropout_seed, ...)``.
@@ -153,11 +185,10 @@ def native_attention(
         softmax over their key tiles.
     """
     del precision  # always float32 products and sums
-    if not available():
-        raise RuntimeError(f"the native attention kernel is unavailable: {why_unavailable()}")
-    for name, x in (("queries", queries), ("keys", keys), ("values", values)):
-        if x.dtype not in (jnp.float32, jnp.bfloat16):
-            raise TypeError(f"{name}.dtype ({x.dtype}) must be float32 or bfloat16")
+    reason = why_not_here()
+    if reason is not None:
+        raise RuntimeError(f"the native attention kernel is unavailable: {reason}")
+    check_dtypes(queries=queries, keys=keys, values=values)
     if dropout_rate and dropout_seed is None:
         raise ValueError(
             f"dropout_seed (None) must be given when dropout_rate ({dropout_rate}) > 0"
@@ -168,6 +199,32 @@ def native_attention(
         if value < 0 or (most is not None and value > most):
             limit = f"from 0 to {most}" if most else "0 or more"
             raise ValueError(f"{name} ({value}) must be {limit} (0: the default tile)")
+    return run(
+        queries,
+        keys,
+        values,
+        attention_mask,
+        dropout_rate=dropout_rate,
+        dropout_seed=dropout_seed,
+        block_q=block_q,
+        block_k=block_k,
+    )
+
+
+def run(
+    queries,
+    keys,
+    values,
+    attention_mask: AttentionMask | None = None,
+    *,
+    dropout_rate: float = 0.0,
+    dropout_seed=None,
+    block_q: int = 0,
+    block_k: int = 0,
+):
+    """``native_attention`` after its checks: the attention core calls this, having checked the
+    kernel and the dtypes once (``can_run``, ``check_dtypes``). Same arguments, no
+    ``precision`` (the kernel computes in float32)."""
     if attention_mask is None:
         attention_mask = AttentionMask()
     lead, h = queries.shape[:-3], queries.shape[-2]
@@ -191,9 +248,9 @@ def native_attention(
     head_index = jnp.arange(h, dtype=jnp.uint32)
     operands = (queries, keys, values, keep, offset, seed, batch_index, head_index)
     call = functools.partial(_call, config)
-    split = _split(queries, keep)
-    if split is not None:
-        mesh, in_specs, out_spec = split
+    specs = _shard_specs(queries, keep)
+    if specs is not None:
+        mesh, in_specs, out_spec = specs
         # check_vma=False: an FFI call's results carry no varying-axes type, so the custom VJP's
         # cotangents would not match its (varying) inputs' types; the specs say it all.
         call = jax.shard_map(
@@ -214,7 +271,7 @@ def _call(config, queries, keys, values, keep, offset, seed, batch_index, head_i
     return out.astype(queries.dtype).reshape(*lead, *out.shape[1:])
 
 
-def _split(queries, keep):
+def _shard_specs(queries, keep):
     """How to run the kernel once per device under a mesh (``jax.set_mesh``): ``(mesh,
     in_specs, out_spec)`` for ``shard_map``, or ``None`` (no mesh, or nothing to split).
 
@@ -228,9 +285,8 @@ def _split(queries, keep):
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or queries.ndim < 4:
         return None
-    types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
-    spec = tuple(jax.typeof(queries).sharding.spec)  # Explicit axes only
-    spec = spec + (None,) * (queries.ndim - len(spec))
+    types = axis_types(mesh)
+    spec = spec_of(queries)  # Explicit axes only
     lead, heads = list(spec[:-3]), spec[-2]
     if lead[0] is None and types.get(DATA) == AxisType.Auto:
         lead[0] = DATA
@@ -266,31 +322,27 @@ def _usable(entry, size: int, mesh, types: dict, used: set):
     """``entry`` (mesh axis names of one dimension) if each is an ``Auto`` or ``Explicit`` axis
     of ``mesh`` not ``used`` by another dimension and together they divide ``size``, else
     ``None``; the names are added to ``used``."""
-    names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    names = axis_names(entry)
     splits = (AxisType.Auto, AxisType.Explicit)
     if not names or any(types.get(n) not in splits or n in used for n in names):
         return None
     if size % math.prod(dict(mesh.shape)[n] for n in names) != 0:
         return None
     used.update(names)
-    return names[0] if len(names) == 1 else names
+    return spec_entry(names)
 
 
 def _reshard(x, spec: PartitionSpec, mesh):
     """``x`` laid out as ``spec`` says on the mesh's ``Explicit`` axes (``shard_map`` takes the
     operands' types as they are); ``x`` itself where those already agree, or with ``Auto`` axes
     (``shard_map`` moves what it needs)."""
-    types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+    types = axis_types(mesh)
 
     def explicit(entry):
-        names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-        names = tuple(n for n in names if types[n] == AxisType.Explicit)
-        return names[0] if len(names) == 1 else (names or None)
+        return spec_entry(n for n in axis_names(entry) if types[n] == AxisType.Explicit)
 
     want = tuple(explicit(entry) for entry in spec) + (None,) * (jnp.ndim(x) - len(spec))
-    have = tuple(jax.typeof(x).sharding.spec)
-    have = have + (None,) * (jnp.ndim(x) - len(have))
-    if want == have:
+    if want == spec_of(x):
         return x
     return jax.sharding.reshard(x, PartitionSpec(*want))
 

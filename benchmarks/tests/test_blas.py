@@ -1,12 +1,12 @@
 """``python -m benchmarks.blas --quick`` runs with the installed BLAS and returns sound numbers.
 
-One subprocess (the run registers FFI targets and clears JAX's caches: kept out of this process)
-builds the sgemm timing loop and the native kernel against scipy-openblas32 through the
-benchmark's shim header, and the test checks what it returns: every sgemm call equals numpy's
-float64 product within the float32 error bound of a sum of ``k`` products, the kernel built with
-the shim equals torch's SDPA forward and gradients, and every time is finite and positive. No
-timing is asserted. ``python -m benchmarks.march`` (the portable build against ``-march=native``)
-runs once on a small shape, and its two builds must agree.
+One subprocess (the run registers FFI targets and clears JAX's caches: kept out of this process),
+once per test session (``helpers.once_per_session``), builds the sgemm timing loop and the native
+kernel against scipy-openblas32 through the benchmark's shim header, and the test checks what it
+returns: every sgemm call equals numpy's float64 product within the float32 error bound of a sum
+of ``k`` products, the kernel built with the shim equals torch's SDPA forward and gradients, and
+every time is finite and positive. No timing is asserted. ``python -m benchmarks.march`` (the
+portable build against ``-march=native``) runs once on a small shape: its two builds must agree.
 """
 
 from __future__ import annotations
@@ -15,16 +15,12 @@ import importlib.util
 import json
 import math
 import os
-import pathlib
 import shutil
-import subprocess
-import sys
 
 import pytest
 
 from benchmarks import blas as bench
-
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+from benchmarks.tests.helpers import check_ran, once_per_session, run_module
 
 #: float32, as ``test_native.ATOL``: both sides sum the same products in another order.
 ATOL = 1e-5
@@ -40,23 +36,19 @@ def _why_not() -> str | None:
     return None if native.available() else f"native kernel off: {native.why_unavailable()}"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def result(tmp_path_factory):
     if reason := _why_not():
         pytest.skip(reason)
-    path = tmp_path_factory.mktemp("blas") / "quick.json"
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.blas", "--quick", "--json", str(path)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, f"python -m benchmarks.blas --quick failed:\n{done.stderr[-3000:]}"
-    return json.loads(path.read_text())
+
+    def make(folder):
+        path = folder / "quick.json"
+        run = run_module(["benchmarks.blas", "--quick", "--json", str(path)], timeout=600)
+        return {**run, "result": json.loads(path.read_text()) if run["returncode"] == 0 else None}
+
+    run = once_per_session(tmp_path_factory, "benchmarks_blas_quick", make)
+    check_ran(run)
+    return run["result"]
 
 
 def _positive(x) -> bool:
@@ -124,13 +116,8 @@ def test_portable_and_native_builds_run_and_agree(tmp_path):
     if reason := _why_not():
         pytest.skip(reason)
     path = tmp_path / "march.json"
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    command = ["-m", "benchmarks.march", "--repeats", "1", "--shapes", "1x128", "--json", str(path)]
-    done = subprocess.run(
-        [sys.executable, *command], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
-    )
-    assert done.returncode == 0, f"python {' '.join(command)} failed:\n{done.stderr[-3000:]}"
+    args = ["benchmarks.march", "--repeats", "1", "--shapes", "1x128", "--json", str(path)]
+    check_ran(run_module(args, timeout=600))
     rows = json.loads(path.read_text())["rows"]
     assert [(r["shape"], r["mode"]) for r in rows] == [("b1 t128", "fwd"), ("b1 t128", "fwd+bwd")]
     for row in rows:

@@ -1,0 +1,45 @@
+"""The benchmarks' tests run under the suite's strict settings, and share one quick run.
+
+The strict settings are ``conformance_tests/tests/conftest.py``'s (highest matmul precision, rank
+promotion raises, TF32 off in torch); importing it applies them here as well, also when only
+these tests run (``test_conftest.py`` checks they hold).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import types
+
+import pytest
+
+import conformance_tests.tests.conftest  # noqa: F401  (the strict settings)
+from benchmarks.tests.helpers import HAVE_MATPLOTLIB, check_ran, once_per_session, run_module
+
+
+@pytest.fixture(scope="session")
+def quick_run(tmp_path_factory):
+    """One ``python -m benchmarks --quick`` run of every section: its JSON (``json_path``,
+    ``data``), stdout, stderr and chart folder (``None`` without matplotlib, whose absence the
+    run would refuse)."""
+
+    def make(folder):
+        path, chart_dir = folder / "quick.json", folder / "charts"
+        args = ["benchmarks", "--quick", "--no-progress", "--json", str(path)]
+        if HAVE_MATPLOTLIB:
+            args += ["--charts", str(chart_dir)]
+        return {
+            **run_module(args, timeout=300),
+            "json_path": str(path),
+            "chart_dir": str(chart_dir),
+        }
+
+    run = once_per_session(tmp_path_factory, "benchmarks_quick", make)
+    check_ran(run)
+    return types.SimpleNamespace(
+        json_path=pathlib.Path(run["json_path"]),
+        data=json.loads(pathlib.Path(run["json_path"]).read_text()),
+        stdout=run["stdout"],
+        stderr=run["stderr"],
+        chart_dir=pathlib.Path(run["chart_dir"]) if HAVE_MATPLOTLIB else None,
+    )

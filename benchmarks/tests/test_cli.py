@@ -1,0 +1,216 @@
+"""``python -m benchmarks --quick`` runs end to end and writes sound rows (no timing assertions).
+
+One subprocess runs every section on tiny shapes (the ``quick_run`` of ``conftest.py``, once per
+test session); the tests check the JSON's structure, that every measured time and quantity is
+finite and positive, and that the Flax outputs (and gradients, generated tokens, the whole
+model's logits and training losses) recorded next to each timing equal torch's: the values, not
+just the shapes. The targets rows are checked on hand-made rows against ``benchmarks.targets``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from benchmarks import ROW_FIELDS
+from benchmarks.rows import make_row
+from benchmarks.targets import MODEL_TARGETS, target_rows
+
+#: Largest relative difference (max|flax - torch| / max(1, max|torch|)) a row may record; the
+#: benchmarks refuse to time anything above 1e-4, float32 parity is ~1e-6 on these shapes.
+MAX_REL_DIFF = 1e-5
+
+
+def _measured(rows, section):
+    return [r for r in rows if r["section"] == section and not r["skipped"]]
+
+
+def test_rows_have_every_field_and_every_section(quick_run):
+    data = quick_run.data
+    assert set(data) == {"machine", "config", "rows"}
+    for key in ("cpu", "cores", "jax", "jaxlib", "flax", "torch", "backend", "date"):
+        assert data["machine"][key], f"machine.{key} is empty"
+    rows = data["rows"]
+    for row in rows:
+        assert tuple(row) == ROW_FIELDS, f"row fields {tuple(row)} must be {ROW_FIELDS}"
+    sections = {r["section"] for r in rows}
+    assert sections == {
+        "speed",
+        "memory",
+        "decode",
+        "compile",
+        "generate",
+        "prefill",
+        "train",
+        "targets",
+    }, sections
+
+
+def test_times_and_quantities_are_finite_and_positive(quick_run):
+    rows = quick_run.data["rows"]
+    timed = [r for r in rows if r["section"] != "targets" and not r["skipped"]]
+    assert timed, "no measured rows"
+    for row in timed:
+        name = f"{row['section']}/{row['case']}/{row['mode']}/{row['implementation']}"
+        assert row["repeats"] >= 1, name
+        assert math.isfinite(row["median_ms"]) and row["median_ms"] > 0, name
+        if row["value"] is not None:
+            assert math.isfinite(row["value"]) and row["value"] > 0, (name, row["value"])
+    for section in ("memory", "decode", "compile", "generate", "prefill", "train"):
+        assert _measured(rows, section), f"section {section} measured nothing"
+
+
+def test_speed_covers_every_implementation_against_both_torch_modules(quick_run):
+    rows = _measured(quick_run.data["rows"], "speed")
+    for mode in ("forward", "forward+backward"):
+        names = {r["implementation"] for r in rows if r["mode"] == mode}
+        assert {"eager", "sdpa", "reference", "xla", "blocked", "default"} <= names, (mode, names)
+    for row in rows:
+        assert math.isfinite(row["ratio_vs_eager"]) and row["ratio_vs_eager"] > 0
+        assert math.isfinite(row["ratio_vs_sdpa"]) and row["ratio_vs_sdpa"] > 0
+    eager = [r for r in rows if r["implementation"] == "eager"]
+    assert all(r["ratio_vs_eager"] == 1.0 for r in eager)
+
+
+def test_flax_equals_torch_in_every_compared_row(quick_run):
+    rows = quick_run.data["rows"]
+    compared = [r for r in rows if r["max_rel_diff"] is not None and not r["skipped"]]
+    flax_rows = [r for r in compared if r["framework"] == "flax"]
+    # every flax speed row (outputs; gradients w.r.t. input and every parameter), generation,
+    # the whole model's logits and its training losses
+    assert {r["section"] for r in flax_rows} == {"speed", "decode", "prefill", "train"}
+    assert any(r["mode"] == "forward+backward" for r in flax_rows)
+    for row in compared:
+        name = f"{row['section']}/{row['case']}/{row['mode']}/{row['implementation']}"
+        assert 0.0 <= row["max_rel_diff"] <= MAX_REL_DIFF, f"{name}: {row['max_rel_diff']:.2e}"
+        assert row["max_abs_diff"] <= MAX_REL_DIFF * 1e4, f"{name}: {row['max_abs_diff']:.2e}"
+
+
+def test_memory_decode_and_compile_rows_measure_what_they_say(quick_run):
+    rows = quick_run.data["rows"]
+    memory = _measured(rows, "memory")
+    assert {r["implementation"] for r in memory} >= {"default", "sdpa"}
+    assert all(r["unit"] == "MB" for r in memory)
+    decode = _measured(rows, "decode")
+    modes = {(r["mode"], r["implementation"]) for r in decode}
+    assert {("generate", "generate"), ("generate", "kv_cache"), ("recompute", "recompute")} <= modes
+    speedups = [r["ratio"] for r in decode if r["ratio_of"] == "speedup over recompute"]
+    assert speedups and all(math.isfinite(s) and s > 0 for s in speedups)
+    flat = [r for r in decode if r["unit"] == "ms/token"]
+    assert len(flat) == 2 and math.isfinite(flat[-1]["ratio"])
+    compile_rows = _measured(rows, "compile")
+    assert any(r["implementation"] == "default" and r["unit"] == "s" for r in compile_rows)
+
+
+def test_generate_rows_hold_tokens_bound_and_step_parts(quick_run):
+    rows = _measured(quick_run.data["rows"], "generate")
+    readers = {r["framework"]: r for r in rows if r["mode"] == "read bandwidth"}
+    assert set(readers) == {"numpy", "jax", "torch"}
+    assert all(r["unit"] == "GB/s" for r in readers.values())
+    for flax in [r for r in rows if r["mode"] == "generate" and r["framework"] == "flax"]:
+        case, batch, steps = flax["case"], flax["batch"], flax["tokens"]
+        mine = [r for r in rows if r["case"] == case]
+        torch_rows = {r["implementation"]: r for r in mine if r["mode"] == "generate"
+                      and r["framework"] == "torch"}  # fmt: skip
+        assert set(torch_rows) == {"eager", "sdpa"}
+        for name, row in torch_rows.items():
+            assert flax[f"ratio_vs_{name}"] == pytest.approx(flax["value"] / row["value"])
+        # greedy tokens equal transformers' (both attentions), no compile in the timed calls
+        count = batch * steps
+        assert f"equal to eager {count}/{count}, sdpa {count}/{count}" in flax["note"]
+        assert "none in the timed ones" in flax["note"]
+        (bound,) = [r for r in mine if r["implementation"] == "bound"]
+        assert bound["unit"] == "tokens/s" and bound["value"] > 0
+        assert bound["ratio"] == pytest.approx(flax["value"] / bound["value"])
+        parts = {r["implementation"] for r in mine if r["mode"].startswith("step part: ")}
+        assert parts == {"generate", "decode loop", "layers", "head", "argmax", "embeddings"}
+        (compiled,) = [r for r in mine if r["mode"] == "compile"]
+        assert compiled["unit"] == "s" and compiled["value"] > 0
+
+
+def test_prefill_and_train_rows_compare_flax_with_transformers(quick_run):
+    rows = quick_run.data["rows"]
+    for section, modes in (("prefill", {"last-position logits", "all logits"}),
+                           ("train", {"train step"})):  # fmt: skip
+        measured = _measured(rows, section)
+        assert {r["mode"] for r in measured} == modes
+        for mode in modes:
+            pair = {r["framework"]: r for r in measured if r["mode"] == mode}
+            assert set(pair) == {"flax", "torch"}
+            ratio = pair["flax"]["median_ms"] / pair["torch"]["median_ms"]
+            assert pair["flax"]["ratio_vs_sdpa"] == pytest.approx(ratio)
+            assert pair["flax"]["max_rel_diff"] is not None  # compared before timing
+        goals = [r for r in _measured(rows, "targets") if r["case"] == measured[0]["case"]]
+        assert len(goals) == len(modes)
+        for goal in goals:
+            assert goal["met"] == (goal["value"] <= 1.0)
+
+
+def test_model_targets_of_hand_made_rows():
+    def generate_row(batch, eager, sdpa):
+        return make_row("generate", f"b{batch}", "generate", "flax", "generate", batch=batch,
+                        ratio_vs_eager=eager, ratio_vs_sdpa=sdpa)  # fmt: skip
+
+    rows = [
+        generate_row(1, 1.6, 1.4),  # the faster transformers attention counts: 1.4 < 1.5
+        generate_row(2, 9.0, 9.0),  # no goal at batch 2
+        generate_row(8, 2.6, 2.7),
+        make_row("generate", "b1", "weight-streaming bound", "flax", "bound", batch=1, ratio=0.9),
+        make_row("prefill", "b1_t1024", "all logits", "flax", "GPTModel", ratio_vs_sdpa=1.0),
+        make_row("train", "b8_t256", "train step", "flax", "train_step", ratio_vs_sdpa=1.01),
+    ]
+    got = [(r["case"], r["value"], r["met"]) for r in target_rows(rows)]
+    assert got == [
+        ("b1", 1.4, False), ("b8", 2.6, True), ("b1", 0.9, True), ("b1_t1024", 1.0, True),
+        ("b8_t256", 1.01, False),
+    ]  # fmt: skip
+    text = [r["target"] for r in target_rows(rows)]
+    assert all("project goal for the model" in t and "issue" not in t for t in text), text
+    assert f">= {MODEL_TARGETS['generate b8 / transformers']:g}x" in text[1]
+
+
+def test_layer_targets_of_hand_made_rows():
+    def speed(case, tokens, mode, over_eager, over_sdpa, skipped=False):
+        return make_row("speed", case, mode, "flax", "default", tokens=tokens, skipped=skipped,
+                        ratio_vs_eager=over_eager, ratio_vs_sdpa=over_sdpa)  # fmt: skip
+
+    rows = [
+        speed("b8_t256", 256, "forward", 0.5, 0.9),  # below t1024: no milestone row; 0.9 meets it
+        speed("b8_t1024", 1024, "forward", 0.8, 0.95),  # 1.25x eager < 1.5x; 0.95 > 0.9
+        speed("b8_t1024", 1024, "forward+backward", 0.5, 1.0),  # 2x eager; 1.0 meets its goal
+        speed("b1_t4096", 4096, "forward", None, None, skipped=True),  # not measured: no rows
+        make_row("memory", "b1_t8192", "forward", "flax", "default", tokens=8192, value=1499.0),
+        make_row(
+            "memory",
+            "b1_t8192",
+            "train step, dropout 0.1",
+            "flax",
+            "default",
+            tokens=8192,
+            value=1500.0,
+        ),  # fmt: skip
+        make_row("memory", "b1_t32768", "forward", "flax", "default", tokens=32768, skipped=True),
+        make_row("decode", "b1_p16_n256", "generate", "flax", "generate", ratio=4.9),
+        make_row("compile", "b1_t1024", "compile", "flax", "default", value=0.99),
+    ]
+    got = [(r["target"], r["value"], r["met"]) for r in target_rows(rows)]
+    assert got == [
+        ("b8_t256 forward: time / torch SDPA <= 0.9 (goal)", 0.9, True),
+        ("b8_t1024 forward: >= 1.5x faster than torch eager (milestone)", 1.25, False),
+        ("b8_t1024 forward: time / torch SDPA <= 0.9 (goal)", 0.95, False),
+        ("b8_t1024 forward+backward: >= 1.5x faster than torch eager (milestone)", 2.0, True),
+        ("b8_t1024 forward+backward: time / torch SDPA <= 1.0 (goal)", 1.0, True),
+        ("b1 t8192 forward: peak growth < 1.5 GB", 1499.0, True),
+        ("b1 t8192 train step, dropout 0.1: peak growth < 1.5 GB", 1500.0, False),
+        ("b1 t32768 forward runs on this machine", None, False),
+        ("b1_p16_n256 decode: >= 5x tokens/s of recomputing", 4.9, False),
+        ("b1_t1024 default forward: compile < 1 s", 0.99, True),
+    ]
+
+
+def test_table_on_stdout(quick_run):
+    stdout = quick_run.stdout
+    for title in ("Machine", "Speed:", "Memory:", "Decode:", "Compile:", "Generate:", "Prefill:",
+                  "Train:", "Targets"):  # fmt: skip
+        assert title in stdout, f"{title!r} missing from the printed table"
