@@ -34,11 +34,12 @@ class BuildNative(build_ext):
             "-fopenmp-simd",
             f'-DFLAX_ATTENTION_JAXLIB="{version("jaxlib")}"',
         ]
-        # The vector exp wants the machine's widest vectors: built for the machine it runs on
-        # (FLAX_ATTENTION_MARCH=x86-64-v3, say, for a portable build; empty for the default).
-        march = os.environ.get("FLAX_ATTENTION_MARCH", "native")
+        # Portable: on x86-64 attention.cc's hot functions are compiled for AVX-512, AVX2 and
+        # baseline x86-64, and the widest the CPU runs is picked when the library loads.
+        # FLAX_ATTENTION_MARCH=native (or x86-64-v3, ...) builds one copy for that -march only.
+        march = os.environ.get("FLAX_ATTENTION_MARCH", "")
         if march and platform.machine() in ("x86_64", "AMD64"):
-            flags.append(f"-march={march}")
+            flags += [f"-march={march}", "-DFLAX_ATTENTION_ONE_ARCH"]
         for ext in self.extensions:
             ext.include_dirs += [jax.ffi.include_dir(), scipy_openblas32.get_include_dir()]
             ext.library_dirs += [scipy_openblas32.get_lib_dir()]

@@ -229,17 +229,21 @@ def _compiler() -> str:
     return compiler
 
 
-def _flags() -> list[str]:
-    """setup.py's flags for the kernel (with the -march it would use)."""
+def _flags(march: str) -> list[str]:
+    """setup.py's flags for the kernel: portable (``march`` empty), or one copy for ``march``."""
     flags = ["-std=c++17", "-O3", "-fopenmp-simd", "-DNDEBUG", "-fwrapv", "-fPIC", "-shared"]
-    march = os.environ.get("FLAX_ATTENTION_MARCH", "native")
     if march and platform.machine() in ("x86_64", "AMD64"):
-        flags.append(f"-march={march}")
+        flags += [f"-march={march}", "-DFLAX_ATTENTION_ONE_ARCH"]
     return flags
 
 
-def build(blas: Blas, source: str | pathlib.Path, workdir: pathlib.Path, stem: str) -> str:
-    """Compile ``source`` (a path, or C++ text) against ``blas``'s shim into ``stem.so``."""
+def build(
+    blas: Blas, source: str | pathlib.Path, workdir: pathlib.Path, stem: str, march=None
+) -> str:
+    """Compile ``source`` (a path, or C++ text) against ``blas``'s shim into ``stem.so``;
+    ``march`` as ``FLAX_ATTENTION_MARCH`` says to ``setup.py`` (``None``: read from there)."""
+    if march is None:
+        march = os.environ.get("FLAX_ATTENTION_MARCH", "")
     shim = workdir / f"shim_{blas.name}"
     shim.mkdir(parents=True, exist_ok=True)
     (shim / "cblas.h").write_text(blas.shim)
@@ -248,7 +252,7 @@ def build(blas: Blas, source: str | pathlib.Path, workdir: pathlib.Path, stem: s
         path.write_text(source)
         source = path
     out = workdir / f"{stem}.so"
-    command = [_compiler(), *_flags(), f"-I{shim}"]
+    command = [_compiler(), *_flags(march), f"-I{shim}"]
     if source == KERNEL_SOURCE:
         import jax.ffi
 
@@ -407,13 +411,14 @@ def _targets(forward: str, backward: str):
         native._FORWARD, native._BACKWARD = saved
 
 
-def _register(blas: Blas, path: str) -> tuple[str, str]:
+def _register(build_name: str, path: str) -> tuple[str, str]:
+    """The FFI target names of the library at ``path``, registered as ``build_name``'s."""
     import jax
 
     library = ctypes.CDLL(path)
     names = (
-        f"flax_attention_blas_{blas.name}_forward",
-        f"flax_attention_blas_{blas.name}_backward",
+        f"flax_attention_blas_{build_name}_forward",
+        f"flax_attention_blas_{build_name}_backward",
     )
     for name, symbol in zip(names, ("FlaxAttentionForward", "FlaxAttentionBackward")):
         capsule = jax.ffi.pycapsule(getattr(library, symbol))
@@ -450,7 +455,7 @@ def time_kernel(blases, workdir, shapes, repeats) -> list[dict]:
     names = {}
     for blas in blases:
         names[blas.name] = _register(
-            blas, build(blas, KERNEL_SOURCE, workdir, f"kernel_{blas.name}")
+            blas.name, build(blas, KERNEL_SOURCE, workdir, f"kernel_{blas.name}")
         )
 
     def forward(q, k, v):
@@ -550,7 +555,7 @@ def run(
             "cpu": _cpu_model(),
             "cores": os.cpu_count(),
             "load_before": _load(),
-            "march": os.environ.get("FLAX_ATTENTION_MARCH", "native"),
+            "march": os.environ.get("FLAX_ATTENTION_MARCH", "") or "portable",
         },
     }
     rng = np.random.default_rng(0)

@@ -1,6 +1,6 @@
 """The benchmarks' tests run under the suite's strict settings, and share one quick run.
 
-The strict settings are ``conformance_tests/conftest.py``'s (highest matmul precision, rank
+The strict settings are ``conformance_tests/tests/conftest.py``'s (highest matmul precision, rank
 promotion raises, TF32 off in torch); importing it applies them here as well, also when only
 these tests run (``test_conftest.py`` checks they hold).
 """
@@ -13,7 +13,7 @@ import types
 
 import pytest
 
-import conformance_tests.conftest  # noqa: F401  (the strict settings)
+import conformance_tests.tests.conftest  # noqa: F401  (the strict settings)
 from benchmarks.tests.helpers import HAVE_MATPLOTLIB, check_ran, once_per_session, run_module
 
 

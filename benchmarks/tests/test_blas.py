@@ -5,7 +5,8 @@ once per test session (``helpers.once_per_session``), builds the sgemm timing lo
 kernel against scipy-openblas32 through the benchmark's shim header, and the test checks what it
 returns: every sgemm call equals numpy's float64 product within the float32 error bound of a sum
 of ``k`` products, the kernel built with the shim equals torch's SDPA forward and gradients, and
-every time is finite and positive. No timing is asserted.
+every time is finite and positive. No timing is asserted. ``python -m benchmarks.march`` (the
+portable build against ``-march=native``) runs once on a small shape: its two builds must agree.
 """
 
 from __future__ import annotations
@@ -106,3 +107,20 @@ def test_sgemm_check_catches_a_wrong_product(tmp_path):
     case = bench.SgemmCase("PV", 32, 128)
     assert bench.check_sgemm(good, case, np.random.default_rng(0)) <= 1
     assert bench.check_sgemm(timer, case, np.random.default_rng(0)) > 100
+
+
+def test_portable_and_native_builds_run_and_agree(tmp_path):
+    """``python -m benchmarks.march`` on one small shape, one round: the portable build and the
+    ``-march=native`` one both load and run in one process, their outputs and gradients agree,
+    and every time is finite and positive."""
+    if reason := _why_not():
+        pytest.skip(reason)
+    path = tmp_path / "march.json"
+    args = ["benchmarks.march", "--repeats", "1", "--shapes", "1x128", "--json", str(path)]
+    check_ran(run_module(args, timeout=600))
+    rows = json.loads(path.read_text())["rows"]
+    assert [(r["shape"], r["mode"]) for r in rows] == [("b1 t128", "fwd"), ("b1 t128", "fwd+bwd")]
+    for row in rows:
+        assert row["max_abs_diff"] <= ATOL, row
+        for key in ("portable_ms", "native_ms", "portable_over_native"):
+            assert _positive(row[key]), (key, row)

@@ -1,5 +1,5 @@
 """The benchmarks' tests run under the suite's strict settings (``conftest.py`` imports
-``conformance_tests/conftest.py``), whether or not the conformance tests run beside them."""
+``conformance_tests/tests/conftest.py``), whether or not the conformance tests run beside them."""
 
 import jax
 import torch

@@ -10,7 +10,7 @@ standard normal from the drawn seed (the harness's ``make_inputs``), so the exam
 and configurations, not pathological numbers (those are in ``test_numerics.py``).
 
 The profiles (``ci``, derandomised; ``dev``, 10x the examples) are in
-``conformance_tests/conftest.py``. Tolerances are ``conformance_tests/tolerances.py``'s,
+``conformance_tests/tests/conftest.py``. Tolerances are ``conformance_tests/tolerances.py``'s,
 compared as the spec compares them (``harness.compare``: ``max_abs_err <= tol * max(1,
 max|reference|)``); the Flax side computes in float32, bfloat16 or float16 (float32 parameters)
 against torch in float32, as the spec's ``dtype`` check does.

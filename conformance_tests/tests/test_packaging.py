@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+import setuptools
 
 from conformance_tests import cli
 
@@ -119,6 +120,25 @@ def test_no_generic_top_level_package_is_installed_and_types_are_shipped():
     assert sorted(include) == ["conformance_tests*", "flax_attention*", "torch_reference*"]
     assert PYPROJECT["tool"]["setuptools"]["package-data"]["flax_attention"] == ["py.typed"]
     assert (ROOT / "flax_attention" / "py.typed").is_file()
+
+
+def test_the_wheel_ships_no_test_modules():
+    """The packages ``pip install .`` ships, found as the build finds them (pyproject's
+    ``packages.find``, namespaces on, its default there), and the modules in them: the layers,
+    the reference, the report, no test package, ``test_*.py`` or ``conftest.py``."""
+    find = PYPROJECT["tool"]["setuptools"]["packages"]["find"]
+    packages = setuptools.find_namespace_packages(
+        str(ROOT), include=find["include"], exclude=find["exclude"]
+    )
+    assert {"flax_attention.kernels.native", "torch_reference", "conformance_tests.checks"} <= set(
+        packages
+    ), packages
+    modules = [f for p in packages for f in sorted((ROOT / p.replace(".", "/")).glob("*.py"))]
+    assert ROOT / "conformance_tests" / "cli.py" in modules
+    tests = [f for f in modules if _is_test(f) or f.name.startswith("test_")]
+    assert not tests, f"test modules in the wheel: {tests}"
+    without = setuptools.find_namespace_packages(str(ROOT), include=find["include"])
+    assert "conformance_tests.tests" in without, "the exclude is what keeps the tests out"
 
 
 def test_importing_the_layers_loads_no_torch_matplotlib_or_tqdm():

@@ -196,6 +196,21 @@ void ParallelFor(ffi::ThreadPool& pool, int64_t n, const Body& body) {
   state->cv.wait(lock, [&] { return state->done.load() == n; });
 }
 
+// ---- the widest vectors this CPU has, chosen when the library is loaded ----------------------
+// One library for every x86-64 machine: the compiler builds each function marked WIDEST_VECTORS
+// three times, for x86-64-v4 (AVX-512), x86-64-v3 (AVX2, FMA) and baseline x86-64, with the row
+// passes above inlined into each copy (flatten), and the dynamic loader picks the widest copy
+// this CPU runs once, at load (an ifunc). The BLAS dispatches on its own. setup.py defines
+// FLAX_ATTENTION_ONE_ARCH when FLAX_ATTENTION_MARCH names one -march: then one plain copy, as
+// with compilers before GCC 12 (no x86-64-v3/v4 clones), clang, and other machines.
+#if defined(__x86_64__) && defined(__GLIBC__) && !defined(__clang__) && __GNUC__ >= 12 && \
+    !defined(FLAX_ATTENTION_ONE_ARCH)
+#define WIDEST_VECTORS \
+  __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default"), flatten))
+#else
+#define WIDEST_VECTORS
+#endif
+
 thread_local std::vector<float> scratch;  // per thread: one task's tiles
 
 float* Scratch(size_t size) {
@@ -205,6 +220,7 @@ float* Scratch(size_t size) {
 
 // ---- forward -------------------------------------------------------------------------------
 
+WIDEST_VECTORS
 void ForwardBlock(const Attention& a, int64_t b, int64_t hd, int64_t i0, float* out, float* M,
                   float* L) {
   const int64_t rows = std::min(a.bq, a.t - i0);
@@ -264,6 +280,7 @@ void ForwardBlock(const Attention& a, int64_t b, int64_t hd, int64_t i0, float* 
 
 // ---- backward ------------------------------------------------------------------------------
 
+WIDEST_VECTORS
 void BackwardHead(const Attention& a, int64_t b, int64_t hd, const float* out, const float* M,
                   const float* L, const float* d_out, float* dq, float* dk, float* dv) {
   const int64_t ldk = a.heads * a.dk, ldv = a.heads * a.dv;
@@ -365,11 +382,9 @@ ffi::Error Decode(Attention& a, F32x4 q, F32x4 k,
   a.scale = 1.0f / std::sqrt(float(a.dk));
   a.seed = *seed.typed_data(), a.drop_threshold = drop_threshold, a.drop_scale = drop_scale;
   a.batch_index = batch_index.typed_data(), a.head_index = head_index.typed_data();
-  // Tiles of 64 query rows (128 from 2048 queries) by 512 keys. Measured on a 2-core AMD EPYC
-  // (Zen 4), GPT-2 small heads, causal, forward time / torch SDPA: at b8 t256 64 rows 0.56-0.62
-  // against 128 rows 0.71-0.77 (fewer rows waste less of the causal diagonal); at b1 t4096 128
-  // rows 0.97 against 64 rows 1.04 (more rows make sgemm faster); whole rows in one tile (the
-  // first version) 1.05-1.07 at t4096. Key tiles of 256 to 1024 measured the same.
+  // Tiles of 64 query rows (128 from 2048 queries) by 512 keys: fewer rows waste less of the
+  // causal diagonal, more make sgemm faster (measured: docs/performance.md, "The native
+  // kernel's tiles").
   a.bq = block_q > 0 ? block_q : (a.t >= 2048 ? 128 : 64);
   a.bk = block_k > 0 ? block_k : 512;
   if (a.bq > kMaxRows)

@@ -1,6 +1,6 @@
 """Strict settings for every test: highest matmul precision, rank promotion raises, TF32 off.
 
-Hypothesis profiles for ``tests/test_fuzz.py``, chosen with ``HYPOTHESIS_PROFILE`` (default
+Hypothesis profiles for ``test_fuzz.py``, chosen with ``HYPOTHESIS_PROFILE`` (default
 ``ci``):
 
 - ``ci``: derandomised (the same examples on every run, so CI is never flaky), no example
@@ -50,7 +50,7 @@ settings.register_profile(
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="session")
