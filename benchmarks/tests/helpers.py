@@ -18,7 +18,7 @@ import pathlib
 import subprocess
 import sys
 
-from filelock import FileLock
+from conformance_tests.tests.once import run_once
 
 __all__ = ["HAVE_MATPLOTLIB", "ROOT", "check_ran", "once_per_session", "run_module"]
 
@@ -27,17 +27,15 @@ HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
 
 def once_per_session(tmp_path_factory, name, make):
-    """``make(folder)``'s result (JSON-able), computed by one worker of the session only."""
-    if "PYTEST_XDIST_WORKER" not in os.environ:  # one process: nobody to share with
-        return make(tmp_path_factory.mktemp(name))
-    shared = tmp_path_factory.getbasetemp().parent  # this session's, above each worker's
-    cache = shared / f"{name}.json"
-    with FileLock(f"{cache}.lock"):
-        if cache.is_file():
-            return json.loads(cache.read_text())
-        result = make(tmp_path_factory.mktemp(name))
-        cache.write_text(json.dumps(result))
-    return result
+    """``make(folder)``'s result (JSON-able), computed by one worker of the session only
+    (``conformance_tests.tests.once.run_once``; a result that records a failure is shared
+    like any other)."""
+
+    def write(folder):
+        (folder / "result.json").write_text(json.dumps(make(folder)))
+
+    folder = run_once(tmp_path_factory, name, write)
+    return json.loads((folder / "result.json").read_text())
 
 
 def run_module(args, timeout):

@@ -15,14 +15,16 @@ Hypothesis profiles for ``test_fuzz.py``, chosen with ``HYPOTHESIS_PROFILE`` (de
 (``-n 2``) ask for it; ``launch_processes`` launches JAX processes.
 """
 
+import functools
 import os
 import pathlib
 
 import jax
 import pytest
 import torch
-from filelock import FileLock
 from hypothesis import HealthCheck, settings
+
+from conformance_tests.tests.once import run_once
 
 jax.config.update("jax_default_matmul_precision", "highest")
 jax.config.update("jax_numpy_rank_promotion", "raise")
@@ -84,34 +86,7 @@ def launch_processes():
 
 @pytest.fixture(scope="session")
 def once_per_run(tmp_path_factory):
-    """``once(name, make) -> directory``: ``make(directory)`` (which writes its results there) runs
-    once per test run; every caller gets the same directory and reads the results from it.
+    """``once(name, make) -> directory``: ``once.run_once`` with this run's temporary
+    directories (``make(directory)`` runs once per test run, also under ``pytest -n 2``)."""
 
-    A session fixture runs once per xdist worker, so under ``pytest -n 2`` it would run twice.
-    This is pytest-xdist's documented pattern: the first worker to ask runs ``make`` holding a
-    ``FileLock`` in the run's base directory (``getbasetemp().parent``, which every worker of the
-    run shares); the others wait on the lock, then find it done. If ``make`` raised, the others
-    fail with its message instead of running it again. Without xdist it simply runs ``make``.
-    """
-
-    def once(name: str, make) -> pathlib.Path:
-        if os.environ.get("PYTEST_XDIST_WORKER") is None:  # one process: no one to share with
-            directory = tmp_path_factory.mktemp(name)
-            make(directory)
-            return directory
-        root = tmp_path_factory.getbasetemp().parent
-        directory, done, failed = root / name, root / f"{name}.done", root / f"{name}.failed"
-        with FileLock(str(root / f"{name}.lock")):
-            if failed.exists():
-                pytest.fail(f"{name} failed in another worker of this run:\n{failed.read_text()}")
-            if not done.exists():
-                directory.mkdir(exist_ok=True)
-                try:
-                    make(directory)
-                except BaseException as error:  # pytest.fail's Failed is not an Exception
-                    failed.write_text(f"{type(error).__name__}: {error}")
-                    raise
-                done.touch()
-        return directory
-
-    return once
+    return functools.partial(run_once, tmp_path_factory)
