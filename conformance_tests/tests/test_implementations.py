@@ -345,6 +345,38 @@ def test_none_picks_reference_for_weights_and_a_tiled_kernel_for_long_inputs():
         assert core.select_implementation(long, long, long.astype(jnp.float16)) == "blocked"
 
 
+def test_a_dropout_of_your_own_is_applied_to_the_weights_by_reference():
+    """``dropout`` may be any callable on the weights (documented in ``dot_product_attention``):
+    ``reference`` applies it as it is, ``None`` picks ``reference`` for it, the tiled kernels
+    refuse it."""
+    rng = np.random.default_rng(1)
+    q, k, v = (jnp.asarray(rng.standard_normal((2, 6, 3, 4)), jnp.float32) for _ in range(3))
+    keep = jnp.asarray(rng.random((2, 3, 6, 6)) >= 0.5, jnp.float32)  # (b, h, t, s)
+    fixed = lambda w: w * keep / 0.5  # noqa: E731  (fixed keep-masks, as the report injects)
+    out, weights = core.dot_product_attention(q, k, v, is_causal=True, dropout=fixed)
+    _, plain = core.dot_product_attention(q, k, v, is_causal=True)
+    expected = jnp.einsum("bhts,bshd->bthd", plain * keep / 0.5, v)
+    assert np.abs(np.asarray(weights - plain * keep / 0.5)).max() == 0.0
+    assert np.abs(np.asarray(out - expected)).max() < 1e-6
+    chosen, _ = core.dot_product_attention(
+        q, k, v, is_causal=True, dropout=fixed, implementation=None, need_weights=False
+    )
+    assert np.abs(np.asarray(chosen - out)).max() == 0.0
+    with pytest.raises(ValueError, match="take an nnx.Dropout only"):
+        core.dot_product_attention(
+            q, k, v, dropout=fixed, implementation="blocked", need_weights=False
+        )
+
+
+@pytest.mark.skipif(not native.available(), reason=f"native: {native.why_unavailable()}")
+def test_naming_native_checks_the_values_dtype_once_in_the_core():
+    q = jnp.ones((1, 8, 1, 4))
+    with pytest.raises(TypeError, match=r"values.dtype \(float16\) must be float32 or bfloat16"):
+        core.dot_product_attention(
+            q, q, q.astype(jnp.float16), implementation="native", need_weights=False
+        )
+
+
 def test_none_runs_float32_queries_with_float16_values():
     """The default picks what runs: float16 values are not native's (it would raise)."""
     rng = np.random.default_rng(0)
