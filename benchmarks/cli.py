@@ -13,8 +13,8 @@ import time
 
 from benchmarks.charts import missing_matplotlib, write_charts
 from benchmarks.config import FULL, QUICK, SECTIONS, parse_shape
-from benchmarks.progress import progress_bar
 from benchmarks.targets import target_rows
+from conformance_tests.progress import progress_bar
 
 __all__ = ["build_config", "format_section", "main", "parse_args"]
 

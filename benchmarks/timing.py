@@ -69,7 +69,7 @@ def interleaved(fns: dict[str, Callable[[], object]], repeats: int, progress=Non
     """``{name: Timing}`` from ``repeats`` rounds, each calling every ``fn`` once, in the orders
     of ``rotations``.
 
-    ``progress`` (a ``benchmarks.progress.Bar``, or ``None``) is advanced once per call.
+    ``progress`` (a ``conformance_tests.progress.Bar``, or ``None``) is advanced once per call.
     """
     samples: dict[str, list[float]] = {name: [] for name in fns}
     for order in rotations(list(fns), repeats):

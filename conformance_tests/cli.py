@@ -12,7 +12,6 @@ prints what to install and exits 2, before importing either.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.util
 import json
 import os
@@ -21,12 +20,13 @@ import tempfile
 import time
 from typing import TYPE_CHECKING
 
+from conformance_tests.progress import progress_bar
 from conformance_tests.spec import CHECKS, select
 
 if TYPE_CHECKING:
     from conformance_tests import harness
 
-__all__ = ["main", "missing_requirements", "progress_bar"]
+__all__ = ["main", "missing_requirements"]
 
 #: How to install what the report needs, as the README says it (torch's CPU build first).
 INSTALL = (
@@ -47,59 +47,6 @@ def missing_requirements(plots: bool = False) -> str | None:
         f"python -m conformance_tests needs {what}, which {'is' if len(missing) == 1 else 'are'} "
         f"not installed (the 'report' extra). Install it with:\n{INSTALL}"
     )
-
-
-class _Bar:
-    """What the loops see of a progress bar: ``update(n)`` and ``status(text)``."""
-
-    def __init__(self, progress=None, task=None):
-        self._progress, self._task = progress, task
-
-    def update(self, advance: int = 1) -> None:
-        if self._progress is not None:
-            self._progress.update(self._task, advance=advance)
-
-    def status(self, text: str) -> None:
-        if self._progress is not None:
-            self._progress.update(self._task, status=text)
-
-
-@contextlib.contextmanager
-def progress_bar(total: int, description: str, enabled: bool = True):
-    """A progress bar on stderr (rich, which flax brings), drawn only when stderr is a terminal;
-    it disappears when done. Lines printed to stdout meanwhile stay on stdout."""
-    if not (enabled and sys.stderr.isatty()):
-        yield _Bar()
-        return
-    from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-
-    columns = (
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TimeRemainingColumn(),
-        TextColumn("{task.fields[status]}"),
-    )
-    # Printed lines go through the bar's console only when stdout is the same terminal; a
-    # redirected stdout (a file, a pipe) keeps every row.
-    progress = Progress(
-        *columns,
-        console=Console(stderr=True),
-        transient=True,
-        redirect_stdout=sys.stdout.isatty(),
-        redirect_stderr=False,
-    )
-    with progress:
-        yield _Bar(progress, progress.add_task(description, total=total, status=""))
 
 
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")

@@ -1,8 +1,9 @@
-"""The progress bar of ``python -m benchmarks`` on stderr, one per section.
+"""The progress bar of the command lines (``python -m conformance_tests``, ``python -m benchmarks``)
+on stderr.
 
-A section's ``run(config, progress)`` advances it once per timed call (``Bar.update``); the
-section's ``plan_calls(config)`` is the total. Drawn with rich (which flax brings) only when
-stderr is a terminal, and gone when the section is done, so the tables on stdout stay as printed.
+A loop advances it once per step (``Bar.update``) and may say what it is on (``Bar.status``).
+Drawn with rich (which flax brings) only when stderr is a terminal, and gone when done, so the
+tables printed on stdout stay as printed.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ __all__ = ["Bar", "progress_bar"]
 
 
 class Bar:
-    """What the sections see of a progress bar: ``update(n)``, which does nothing when no bar is
-    drawn."""
+    """What the loops see of a progress bar: ``update(n)`` and ``status(text)``, which do
+    nothing when no bar is drawn."""
 
     def __init__(self, progress=None, task=None):
         self._progress, self._task = progress, task
@@ -24,10 +25,14 @@ class Bar:
         if self._progress is not None:
             self._progress.update(self._task, advance=advance)
 
+    def status(self, text: str) -> None:
+        if self._progress is not None:
+            self._progress.update(self._task, status=text)
+
 
 @contextlib.contextmanager
 def progress_bar(total: int, description: str, enabled: bool = True):
-    """A ``Bar`` counting ``total`` calls, labelled ``description``; drawn on stderr only when
+    """A ``Bar`` counting ``total`` steps, labelled ``description``; drawn on stderr only when
     ``enabled`` and stderr is a terminal. Lines printed to stdout meanwhile stay on stdout."""
     if not (enabled and sys.stderr.isatty()):
         yield Bar()
@@ -48,6 +53,7 @@ def progress_bar(total: int, description: str, enabled: bool = True):
         MofNCompleteColumn(),
         TimeElapsedColumn(),
         TimeRemainingColumn(),
+        TextColumn("{task.fields[status]}"),
     )
     # Printed lines go through the bar's console only when stdout is the same terminal; a
     # redirected stdout (a file, a pipe) keeps every row.
@@ -59,4 +65,4 @@ def progress_bar(total: int, description: str, enabled: bool = True):
         redirect_stderr=False,
     )
     with progress:
-        yield Bar(progress, progress.add_task(description, total=total))
+        yield Bar(progress, progress.add_task(description, total=total, status=""))
