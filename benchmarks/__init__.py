@@ -21,6 +21,9 @@ configuration. Sections:
 - ``prefill``: the whole model's forward over a prompt against ``GPT2LMHeadModel``'s.
 - ``train``: ``flax_attention.models.train_step`` with optax's AdamW against
   ``GPT2LMHeadModel`` with ``torch.optim.AdamW``.
+- ``parts``: the whole model's pieces (LayerNorm, the attention's projections and core, the MLP,
+  a whole layer, the tied head with the loss, the embeddings) forward and forward+backward,
+  each against transformers' own.
 
 Every timed Flax module holds the torch module's ``state_dict`` (``flax_attention.load_state_dict``;
 the whole model: ``GPTModel.from_pretrained`` of the transformers model's ``save_pretrained``)
@@ -36,7 +39,7 @@ INSTALL = (
 
 #: The keys of every JSON row (``None`` where a field does not apply to the row's section).
 ROW_FIELDS = (
-    "section",  # speed | memory | decode | compile | generate | prefill | train | targets
+    "section",  # speed | memory | decode | compile | generate | prefill | train | parts | targets
     "case",  # e.g. "b8_t1024"
     "mode",  # forward | forward+backward | generate | recompute | steps@16 | compile ...
     "framework",  # flax | torch (generate's read-bandwidth rows: numpy | jax | torch)

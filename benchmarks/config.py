@@ -7,7 +7,7 @@ import dataclasses
 
 __all__ = ["Config", "FULL", "QUICK", "SECTIONS", "parse_shape"]
 
-SECTIONS = ("speed", "memory", "decode", "compile", "generate", "prefill", "train")
+SECTIONS = ("speed", "memory", "decode", "compile", "generate", "prefill", "train", "parts")
 
 
 def parse_shape(text: str) -> tuple[int, int]:
@@ -78,6 +78,9 @@ class Config:
     # train: flax_attention.models.train_step against GPT2LMHeadModel + torch.optim.AdamW
     train_shape: tuple[int, int] = (8, 256)
     train_repeats: int = 3
+    # parts: the model's pieces (one layer's, the head, the embeddings) against transformers'
+    parts_shape: tuple[int, int] = (8, 256)
+    parts_repeats: int = 7
 
     def repeats_for(self, shape) -> int:
         return self.speed_repeats.get(tuple(shape), self.default_repeats)
@@ -117,4 +120,6 @@ QUICK = Config(
     prefill_repeats=1,
     train_shape=(2, 16),
     train_repeats=1,
+    parts_shape=(2, 16),
+    parts_repeats=1,
 )

@@ -17,11 +17,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from flax_attention.axes import LinearAxes
+from flax_attention.axes import LinearAxes, spec_of
 
 __all__ = [
     "linear_factory",
     "partitioned",
+    "rows_dot_general",
     "set_linear_axes",
     "torch_linear_bias_init",
     "torch_linear_kernel_init",
@@ -62,11 +63,41 @@ def set_linear_axes(linear: nnx.Linear, axes: LinearAxes) -> nnx.Linear:
     return linear
 
 
+def rows_dot_general(lhs, rhs, dimension_numbers, precision=None, **options):
+    """``jax.lax.dot_general`` for ``nnx.Linear``: ``x (..., d_in) @ kernel (d_in, d_out)`` as one
+    ``(rows, d_in) @ (d_in, d_out)`` product on ``x`` flattened to rows, then reshaped back;
+    the same numbers, and the same call where the leading axes carry sharding in their type
+    (an ``Explicit`` mesh) or ``out_sharding`` is given.
+
+    Why: the kernel's gradient of the ``(b, t, d_in)`` product is a contraction over two axes,
+    and XLA's CPU compiler transposes the incoming gradient for it; in a deep model that
+    transpose fuses the residual stream's whole chain of gradient additions, recomputed per
+    layer (quadratic in depth). On rows the same gradient is one plain product, no transpose
+    (the measurements: docs/performance.md, "Where a training step's time goes")."""
+    (lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch) = dimension_numbers
+    flat = (
+        lhs.ndim > 2
+        and not lhs_batch
+        and not rhs_batch
+        and tuple(lhs_contracting) == (lhs.ndim - 1,)
+        and options.get("out_sharding") is None
+        and not any(spec_of(lhs))
+    )
+    if not flat:
+        return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision, **options)
+    options.pop("out_sharding", None)
+    rows = lhs.reshape(-1, lhs.shape[-1])  # (rows, d_in)
+    out = jax.lax.dot_general(
+        rows, rhs, (((1,), rhs_contracting), ((), ())), precision=precision, **options
+    )  # (rows, d_out)
+    return out.reshape(*lhs.shape[:-1], out.shape[-1])  # (..., d_out)
+
+
 def linear_factory(*, dtype, param_dtype, precision, rngs: nnx.Rngs):
     """``linear(d_in, d_out, use_bias=..., axes=...)``: an ``nnx.Linear`` with torch's
     initialisers and the layer's Flax options, so every sublayer gets ``dtype``, ``param_dtype``
     and ``precision``. ``axes`` (an ``axes.LinearAxes``, e.g. ``TO_HEADS`` or ``FROM_HEADS``)
-    becomes the kernel's and bias's partition metadata."""
+    becomes the kernel's and bias's partition metadata. Its product is ``rows_dot_general``."""
 
     def linear(
         in_features: int, out_features: int, *, use_bias: bool = True, axes: LinearAxes
@@ -80,6 +111,7 @@ def linear_factory(*, dtype, param_dtype, precision, rngs: nnx.Rngs):
             dtype=dtype,
             param_dtype=param_dtype,
             precision=precision,
+            dot_general=rows_dot_general,
             rngs=rngs,
         )
 

@@ -14,6 +14,7 @@ import math
 import pytest
 
 from benchmarks import ROW_FIELDS
+from benchmarks.parts import MODES, PARTS
 from benchmarks.rows import make_row
 from benchmarks.targets import MODEL_TARGETS, target_rows
 
@@ -43,6 +44,7 @@ def test_rows_have_every_field_and_every_section(quick_run):
         "generate",
         "prefill",
         "train",
+        "parts",
         "targets",
     }, sections
 
@@ -57,7 +59,7 @@ def test_times_and_quantities_are_finite_and_positive(quick_run):
         assert math.isfinite(row["median_ms"]) and row["median_ms"] > 0, name
         if row["value"] is not None:
             assert math.isfinite(row["value"]) and row["value"] > 0, (name, row["value"])
-    for section in ("memory", "decode", "compile", "generate", "prefill", "train"):
+    for section in ("memory", "decode", "compile", "generate", "prefill", "train", "parts"):
         assert _measured(rows, section), f"section {section} measured nothing"
 
 
@@ -78,8 +80,8 @@ def test_flax_equals_torch_in_every_compared_row(quick_run):
     compared = [r for r in rows if r["max_rel_diff"] is not None and not r["skipped"]]
     flax_rows = [r for r in compared if r["framework"] == "flax"]
     # every flax speed row (outputs; gradients w.r.t. input and every parameter), generation,
-    # the whole model's logits and its training losses
-    assert {r["section"] for r in flax_rows} == {"speed", "decode", "prefill", "train"}
+    # the whole model's logits and its training losses, its parts' outputs and input gradients
+    assert {r["section"] for r in flax_rows} == {"speed", "decode", "prefill", "train", "parts"}
     assert any(r["mode"] == "forward+backward" for r in flax_rows)
     for row in compared:
         name = f"{row['section']}/{row['case']}/{row['mode']}/{row['implementation']}"
@@ -145,6 +147,21 @@ def test_prefill_and_train_rows_compare_flax_with_transformers(quick_run):
         assert len(goals) == len(modes)
         for goal in goals:
             assert goal["met"] == (goal["value"] <= 1.0)
+
+
+def test_parts_rows_pair_every_piece_and_mode_with_transformers(quick_run):
+    rows = _measured(quick_run.data["rows"], "parts")
+    pairs = {}
+    for row in rows:
+        pairs.setdefault((row["implementation"], row["mode"]), {})[row["framework"]] = row
+    assert set(pairs) == {(part, mode) for part in PARTS for mode in MODES}
+    for (part, mode), pair in pairs.items():
+        assert set(pair) == {"flax", "torch"}, (part, mode)
+        ratio = pair["flax"]["median_ms"] / pair["torch"]["median_ms"]
+        assert pair["flax"]["ratio_vs_sdpa"] == pytest.approx(ratio), (part, mode)
+        assert pair["torch"]["ratio_vs_sdpa"] == 1.0
+        assert pair["flax"]["max_rel_diff"] is not None, (part, mode)  # compared before timing
+    assert "Parts: the model's pieces" in quick_run.stdout
 
 
 def test_model_targets_of_hand_made_rows():
