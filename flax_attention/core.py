@@ -291,42 +291,6 @@ def dot_product_attention(
       ``context_vec`` ``(..., t, h, d_v)`` and ``attn_weights`` ``(..., h, t, s)`` (after
       dropout, as the documents return them) or ``None``.
     """
-    out = attend(
-        queries,
-        keys,
-        values,
-        mask,
-        is_causal=is_causal,
-        query_offset=query_offset,
-        fill_value=fill_value,
-        dropout=dropout,
-        precision=precision,
-        implementation=implementation,
-        need_weights=need_weights,
-        block_sizes=block_sizes,
-        kv_layout=kv_layout,
-    )
-    return out if need_weights else (out, None)
-
-
-def attend(
-    queries,
-    keys,
-    values,
-    mask=None,
-    *,
-    is_causal: bool = False,
-    query_offset=0,
-    fill_value=-jnp.inf,
-    dropout=None,
-    precision=None,
-    implementation: Implementation | None = "reference",
-    need_weights: bool = False,
-    block_sizes: BlockSizes | None = None,
-    kv_layout: KVLayout = "shd",
-):
-    """``dot_product_attention`` returning what is asked: ``context_vec`` alone, or with
-    ``need_weights=True`` the pair. The layers that never return weights call this."""
     _check_options(implementation, block_sizes, kv_layout)
     implementation = _choose(
         queries,
@@ -354,8 +318,19 @@ def attend(
         need_weights=need_weights,
     )
     if explicit_mesh() is None:
-        return run(queries, keys, values, attention_mask, dropout=dropout)
-    return _run_with_auto_axes(run, queries, keys, values, attention_mask, dropout, need_weights)
+        out = run(queries, keys, values, attention_mask, dropout=dropout)
+    else:
+        out = _run_with_auto_axes(run, queries, keys, values, attention_mask, dropout, need_weights)
+    return out if need_weights else (out, None)
+
+
+def attend(queries, keys, values, mask=None, **options):
+    """``dot_product_attention``'s ``context_vec`` alone (``need_weights=False``), with the same
+    keyword ``options``: what the layers that never return weights call."""
+    context_vec, _ = dot_product_attention(
+        queries, keys, values, mask, need_weights=False, **options
+    )
+    return context_vec
 
 
 def _run_with_auto_axes(run, queries, keys, values, attention_mask, dropout, need_weights):
