@@ -64,19 +64,22 @@ def set_linear_axes(linear: nnx.Linear, axes: LinearAxes) -> nnx.Linear:
 
 
 def rows_dot_general(lhs, rhs, dimension_numbers, precision=None, **options):
-    """``jax.lax.dot_general`` for ``nnx.Linear``: ``x (..., d_in) @ kernel (d_in, d_out)`` as one
-    ``(rows, d_in) @ (d_in, d_out)`` product on ``x`` flattened to rows, then reshaped back;
-    the same numbers, and the same call where the leading axes carry sharding in their type
-    (an ``Explicit`` mesh) or ``out_sharding`` is given.
+    """``jax.lax.dot_general`` for ``nnx.Linear`` and the tied head: ``x (..., d_in) @ kernel
+    (d_in, d_out)`` (or ``@ table.T`` for a ``(d_out, d_in)`` table) as one ``(rows, d_in)``
+    product on ``x`` flattened to rows, then reshaped back; the same numbers, and the same call
+    as ``dot_general`` where the leading axes carry sharding in their type (an ``Explicit``
+    mesh), ``out_sharding`` is given, or the contraction is another one.
 
     Why: the kernel's gradient of the ``(b, t, d_in)`` product is a contraction over two axes,
     and XLA's CPU compiler transposes the incoming gradient for it; in a deep model that
     transpose fuses the residual stream's whole chain of gradient additions, recomputed per
-    layer (quadratic in depth). On rows the same gradient is one plain product, no transpose
-    (the measurements: docs/performance.md, "Where a training step's time goes")."""
+    layer (quadratic in depth), and for the tied head it copies the ``(b * t, V)`` gradient of
+    the logits. On rows the same gradient is one plain product, no transpose (the measurements:
+    docs/performance.md, "Where a training step's time goes")."""
     (lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch) = dimension_numbers
     flat = (
         lhs.ndim > 2
+        and rhs.ndim == 2
         and not lhs_batch
         and not rhs_batch
         and tuple(lhs_contracting) == (lhs.ndim - 1,)
