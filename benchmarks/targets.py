@@ -8,16 +8,18 @@ number comes from:
 - The layer against torch (sections ``speed``, ``memory``, ``decode``, ``compile``), set when the
   benchmarks were written: a milestone of 1.5x the speed of the documents' eager module (what a
   port replaces) at t >= 1024, and the goal of torch's fused SDPA, the fastest attention a torch
-  user gets on CPU (``SPEED_TARGETS``: forward at or under 0.9 of its time, forward+backward at
-  or under 1.0; the forward's goal was 1.0 in the runs of 2026-11-23 up to 14:11 UTC). Memory:
-  a forward and a training step at b1 t8192 grow by less than 1.5 GB, under half of one
+  user gets on CPU (``SPEED_TARGETS``: forward and forward+backward at or under 0.85 of its time
+  since 2026-11-24, when the work on the rest of the CPU time raised them; before, forward 0.9
+  and forward+backward 1.0, and the forward's 1.0 in the runs of 2026-11-23 up to 14:11 UTC).
+  Memory: a forward and a training step at b1 t8192 grow by less than 1.5 GB, under half of one
   ``(h, t, t)`` float32 score buffer (3.2 GB), so only an O(t) implementation meets it; t = 32768
   runs at all (its scores alone would be 51.5 GB). Decoding with the cache at least 5x the
   tokens/s of recomputing the pass (``DECODE_SPEEDUP_TARGET``); compiling the default GPT-2 small
   forward in under 1 s.
 - The whole model against transformers (sections ``generate``, ``prefill``, ``train``):
   ``MODEL_TARGETS``, set by the project when ``flax_attention.models`` was benchmarked
-  (2026-11-24).
+  (2026-11-24); prefill and the training step raised from 1.0 to 0.9 the same day, with the
+  layer's.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ __all__ = [
 ]
 
 #: The default implementation's time / torch SDPA's time per pass, at most (a goal).
-SPEED_TARGETS = {"forward": 0.9, "forward+backward": 1.0}
+SPEED_TARGETS = {"forward": 0.85, "forward+backward": 0.85}
 #: The default implementation's speedup over the documents' eager module at t >= 1024, at least.
 EAGER_SPEEDUP_MILESTONE = 1.5
 #: Peak RSS growth of a forward and of a training step at b1 t8192, below this (MB).
@@ -52,8 +54,8 @@ MODEL_TARGETS = {
     "generate b1 / transformers": 1.5,
     "generate b1 / bound": 0.85,
     "generate b8 / transformers": 2.5,
-    "prefill / transformers": 1.0,
-    "train step / transformers": 1.0,
+    "prefill / transformers": 0.9,
+    "train step / transformers": 0.9,
 }
 #: How the targets rows name where each of ``MODEL_TARGETS`` comes from.
 MODEL_TARGET_SOURCE = "project goal for the model"

@@ -84,13 +84,14 @@ def test_memory_decode_and_generate_charts_hold_the_rows_ratios(quick_run):
             assert flatness.value(row["implementation"], row["case"]) == row["ratio"]
     assert _bars(generate) == 6  # two over transformers, the bound, three flatness
 
-    for section in ("prefill", "train"):
+    for section, key in (("prefill", "prefill / transformers"),
+                         ("train", "train step / transformers")):  # fmt: skip
         chart = charts.chart_data(rows, section)
         flax = [r for r in _measured(rows, section) if r["framework"] == "flax"]
         assert [p.title for p in chart.panels] == [r["mode"] for r in flax]
         for panel, row in zip(chart.panels, flax):
             assert panel.value(row["implementation"], row["case"]) == row["ratio_vs_sdpa"]
-            assert panel.target == 1.0
+            assert panel.target == MODEL_TARGETS[key]
         assert _bars(chart) == len(flax)
 
 
@@ -115,7 +116,7 @@ def test_chart_data_of_hand_made_rows():
         ("blocked", (1.25, None)),  # skipped: no bar
         ("torch eager", (1.5, None)),
     ]
-    assert (panel.target, panel.baseline_label) == (0.9, "torch SDPA")
+    assert (panel.target, panel.baseline_label) == (SPEED_TARGETS["forward"], "torch SDPA")
 
 
 def test_bad_chart_inputs_name_the_value(quick_run, tmp_path):
