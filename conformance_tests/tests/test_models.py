@@ -11,6 +11,8 @@ errors bad inputs raise.
 
 from __future__ import annotations
 
+import re
+
 import jax
 import numpy as np
 import optax
@@ -144,6 +146,35 @@ def test_logits_and_gradients_equal_the_torch_twin(batches):
     # W_key.bias has no true gradient (softmax ignores a shift shared by all keys): both sides
     # give rounding noise there, within TOL; every other gradient is a real one
     assert all(np.abs(g).max() > 1e-3 for n, g in torch_grads.items() if "W_key.bias" not in n)
+
+
+def test_kernel_and_tied_table_gradients_are_computed_without_transposed_copies():
+    """The Linear layers and the tied head multiply rows (``_init.rows_dot_general``), so XLA's
+    CPU compiler computes each kernel's gradient, and the token table's through the head, as one
+    product of the rows: the compiled gradient has no array of an incoming gradient laid out
+    features first, ``(features, b, t)`` or ``(features, b * t)``. With ``(b, t, d)`` products
+    77 of its instructions made or read one here (every layer's kernels, and the head's
+    ``(V, b * t)``); in GPT-2 small such copies recomputed the residual stream's chain of
+    gradient sums and took a fifth of a training step (docs/performance.md, "Where a training
+    step's time goes")."""
+    cfg = {**CFG, "tie_word_embeddings": True, "n_layers": 3}
+    model = models.GPTModel(cfg, rngs=nnx.Rngs(0))
+    graph, params, rest = nnx.split(model, nnx.Param, ...)
+    b, t = 3, 10  # b * t matches no feature size
+    data = np.random.default_rng(0).integers(0, cfg["vocab_size"], (b, t + 1))
+    inputs, targets = data[:, :-1], data[:, 1:]
+
+    def loss(params):
+        return models.calc_loss_batch(inputs, targets, nnx.merge(graph, params, rest))
+
+    with jax.default_device(jax.devices("cpu")[0]):
+        hlo = jax.jit(jax.grad(loss)).lower(params).compile().as_text()
+    features = {cfg["emb_dim"], 3 * cfg["emb_dim"], 4 * cfg["emb_dim"], cfg["vocab_size"]}
+    tokens = rf"({b},{t}|{b * t})"
+    laid_out = re.compile(rf"= f32\[({'|'.join(map(str, features))}),{tokens}\]")
+    copies = [line.strip()[:120] for line in hlo.splitlines() if laid_out.search(line)]
+    assert not copies, f"{len(copies)} transposed gradient copies, e.g. {copies[:3]}"
+    assert "dot(" in hlo or "ynn_fusion" in hlo  # the program was read: its products are there
 
 
 def test_torch_to_flax_to_torch_is_bit_identical(weights):
