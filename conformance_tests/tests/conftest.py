@@ -31,6 +31,14 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 torch.backends.cuda.matmul.allow_tf32 = False
 torch.backends.cudnn.allow_tf32 = False
 
+#: The pytest-xdist workers of this run (``pytest -n 2``: 2), which share the machine's cores.
+XDIST_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if XDIST_WORKERS > 1:
+    # torch's OpenMP pool takes a thread per core in every worker: under ``-n 2`` on 2 cores,
+    # 4 threads that wait for each other spinning on 2 cores (a small layer's backward then took
+    # 0.1 s instead of 1 ms). Each worker gets its share of the cores; the numbers are torch's.
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // XDIST_WORKERS))
+
 #: Examples per test in the ``ci`` profile (test_fuzz.py: 9 groups x (17 forward + 6 gradient)).
 FUZZ_EXAMPLES = 17
 
