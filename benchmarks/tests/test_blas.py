@@ -37,7 +37,7 @@ def _why_not() -> str | None:
 
 
 @pytest.fixture(scope="session")
-def result(tmp_path_factory):
+def blas_run(tmp_path_factory):
     if reason := _why_not():
         pytest.skip(reason)
 
@@ -55,18 +55,18 @@ def _positive(x) -> bool:
     return isinstance(x, float) and math.isfinite(x) and x > 0
 
 
-def test_machine_and_blas_are_recorded(result):
-    machine = result["machine"]
+def test_machine_and_blas_are_recorded(blas_run):
+    machine = blas_run["machine"]
     assert machine["cpu"] and machine["cores"] >= 1
     assert len(machine["load_before"]) == 3 and len(machine["load_after"]) == 3
-    openblas = result["blas"]["openblas32"]
+    openblas = blas_run["blas"]["openblas32"]
     assert openblas["qualifies"] is True
     assert openblas["config"].startswith("OpenBLAS"), openblas
     assert openblas["corename"], openblas
 
 
-def test_sgemm_equals_numpy_on_every_call_kind(result):
-    rows = [r for r in result["sgemm"] if r["blas"] == "openblas32"]
+def test_sgemm_equals_numpy_on_every_call_kind(blas_run):
+    rows = [r for r in blas_run["sgemm"] if r["blas"] == "openblas32"]
     measured = {(r["op"], r["bq"], r["kend"]) for r in rows}
     expected = {(op, bq, kend) for op in bench.OPS for bq, kend in bench.QUICK_SGEMM_SHAPES}
     assert measured == expected
@@ -79,8 +79,8 @@ def test_sgemm_equals_numpy_on_every_call_kind(result):
         assert row["ratio_vs_openblas32"] == 1.0, row
 
 
-def test_kernel_built_with_the_shim_equals_sdpa(result):
-    rows = result["kernel"]
+def test_kernel_built_with_the_shim_equals_sdpa(blas_run):
+    rows = blas_run["kernel"]
     shapes = {f"b{b} t{t}" for b, t in bench.QUICK_KERNEL_SHAPES}
     assert {(r["shape"], r["mode"]) for r in rows} == {
         (shape, mode) for shape in shapes for mode in ("fwd", "fwd+bwd")

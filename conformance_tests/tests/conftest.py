@@ -13,6 +13,13 @@ Hypothesis profiles for ``test_fuzz.py``, chosen with ``HYPOTHESIS_PROFILE`` (de
 
 ``once_per_run`` runs an expensive step once for the whole test run, however many xdist workers
 (``-n 2``) ask for it; ``launch_processes`` launches JAX processes.
+
+Under ``pytest -n 2`` (the README's command) the tests that share such a step (``ONCE_PER_RUN``:
+the sharded tests' inner pytest, the two-process launch, the benchmarks' quick runs) are
+collected first, so that the first worker takes all of them in its first batch of tests and
+starts the steps at once: no worker then waits for a step another one is running, and no
+minute-long step is left for the end of the run. Each worker's torch uses its share of the
+cores.
 """
 
 import functools
@@ -61,6 +68,27 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+#: The fixtures whose expensive step runs once per test run (``run_once``): the tests that use
+#: one are collected first under pytest-xdist (``pytest_collection_modifyitems``).
+ONCE_PER_RUN = (
+    "sharded_run",  # test_sharding.py: the inner pytest of sharded_tests.py on 8 devices
+    "two_processes",  # test_multiprocess.py: examples/multiprocess.py as 2 JAX processes
+    "quick_run",  # benchmarks/tests: python -m benchmarks --quick
+    "blas_run",  # benchmarks/tests/test_blas.py: python -m benchmarks.blas --quick
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist, the tests that use an ``ONCE_PER_RUN`` fixture first, the others
+    after them, each part in its own order."""
+    if XDIST_WORKERS < 2:
+        return
+
+    def shares_a_step(item):
+        return any(name in ONCE_PER_RUN for name in getattr(item, "fixturenames", ()))
+
+    items.sort(key=lambda item: not shares_a_step(item))  # stable: each part keeps its order
 
 
 @pytest.fixture(scope="session")

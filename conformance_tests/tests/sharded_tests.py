@@ -288,6 +288,25 @@ def _decode(module, tokens, mesh=None):
     return np.concatenate(outs, axis=-2)  # (b, T, d_out)
 
 
+_DECODE_REFERENCES: dict = {}
+
+
+def single_device_decode(name):
+    """The layer of ``single_device``, its decode steps' tokens, its one-device decode (outputs
+    and caches) and its full causal pass, once per layer (every mesh compares with them)."""
+    if name not in _DECODE_REFERENCES:
+        module, _, _, _ = single_device(name)
+        d_in = LAYERS[name][2]
+        rng = np.random.default_rng(sum(map(ord, name)) + 1)
+        tokens = rng.standard_normal((T, B, 1, d_in)).astype(np.float32)  # T steps of 1 token
+        reference = nnx.clone(module)
+        reference.init_cache(B)
+        expected = {"out": _decode(reference, tokens), **_caches(reference)}
+        full = np.asarray(module(np.concatenate(list(tokens), axis=-2)))
+        _DECODE_REFERENCES[name] = (module, tokens, expected, full)
+    return _DECODE_REFERENCES[name]
+
+
 @pytest.mark.parametrize("kind", AXIS_TYPES)
 @pytest.mark.parametrize("shape", MESHES, ids=_id)
 @pytest.mark.parametrize("name", DECODERS)
@@ -296,14 +315,7 @@ def test_decode_equals_one_device(name, shape, kind):
     which equals the full causal pass; the caches sit on the mesh by heads (one head: its
     ``d_out`` features over ``model``), the index replicated. Half the meshes shard the layer
     before ``init_cache`` (the cache follows the parameters), half after (``shard`` places it)."""
-    module, _, _, _ = single_device(name)
-    d_in = LAYERS[name][2]
-    rng = np.random.default_rng(sum(map(ord, name)) + 1)
-    tokens = rng.standard_normal((T, B, 1, d_in)).astype(np.float32)  # T steps of 1 token
-    reference = nnx.clone(module)
-    reference.init_cache(B)
-    expected = {"out": _decode(reference, tokens), **_caches(reference)}
-    full = np.asarray(module(np.concatenate(list(tokens), axis=-2)))
+    module, tokens, expected, full = single_device_decode(name)
     np.testing.assert_allclose(expected["out"], full, atol=TOL, err_msg="decode vs full pass")
 
     mesh = make_mesh(shape, kind=kind)
@@ -415,13 +427,16 @@ def test_decode_greedy_generate_of_the_gpt_model_equals_one_device(kind):
     the ids come split over ``data`` or as NumPy (placed by rows, as the decode caches split
     their batch); the caches are dropped after; a batch the data axis does not divide is
     refused, naming both. (Untied: this random tied model repeats one token per row.)"""
-    model = _gpt_model(tied=False)
-    rng = np.random.default_rng(22)
-    ids = rng.integers(1, GPT_CFG["vocab_size"], (B, 6))
-    mask = np.ones_like(ids)
-    for row in range(B):
-        ids[row, : row % 4], mask[row, : row % 4] = 0, 0  # rows padded by 0 to 3 tokens
-    expected = np.asarray(generate(model, ids, 14, 12, attention_mask=mask))  # 7 cached steps
+    if "generate" not in _GPT_REFERENCES:  # one device's tokens, once for both axis types
+        model = _gpt_model(tied=False)
+        rng = np.random.default_rng(22)
+        ids = rng.integers(1, GPT_CFG["vocab_size"], (B, 6))
+        mask = np.ones_like(ids)
+        for row in range(B):
+            ids[row, : row % 4], mask[row, : row % 4] = 0, 0  # rows padded by 0 to 3 tokens
+        expected = np.asarray(generate(model, ids, 14, 12, attention_mask=mask))  # 7 cached steps
+        _GPT_REFERENCES["generate"] = model, ids, mask, expected
+    model, ids, mask, expected = _GPT_REFERENCES["generate"]
     assert len(np.unique(expected[:, 6:])) > 10, "one device repeats itself: a weak check"
     mesh = make_mesh((2, 4), kind=kind)
     sharded = fa.shard(nnx.clone(model), mesh)
@@ -458,15 +473,20 @@ def test_train_mode_dropout_equals_one_device(name, kind):
     n = LAYERS[name][1]
     run = nnx.jit(lambda m, xs, extra: m(*xs, *extra))
     module = make()
-    expected = np.asarray(run(nnx.clone(module), inputs[:n], inputs[n:]))
+    if ("dropout", name) not in _REFERENCES:  # one device, train and eval mode: once a layer
+        eval_mode = make()
+        eval_mode.eval()
+        _REFERENCES["dropout", name] = (
+            np.asarray(run(nnx.clone(module), inputs[:n], inputs[n:])),
+            np.asarray(eval_mode(*inputs)),
+        )
+    expected, eval_out = _REFERENCES["dropout", name]
     mesh = make_mesh((2, 4), kind=kind)
     sharded = fa.shard(nnx.clone(module), mesh)
     with jax.set_mesh(mesh):
         xs = shard_inputs(inputs, mesh)
         actual = np.asarray(run(sharded, xs[:n], xs[n:]))
-    eval_mode = make()
-    eval_mode.eval()
-    dropped = np.abs(expected - np.asarray(eval_mode(*inputs))).max()
+    dropped = np.abs(expected - eval_out).max()
     assert dropped > 1e-2, "dropout changed nothing"
     assert_close({"out": expected}, {"out": actual}, f"{name} train mode on 2x4 ({kind})")
 
