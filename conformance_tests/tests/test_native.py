@@ -16,6 +16,7 @@ the kernel switched off.
 from __future__ import annotations
 
 import os
+import platform
 import subprocess
 import sys
 import textwrap
@@ -209,6 +210,44 @@ def test_native_equals_reference(
     actual = _run(kernel, q, k, v, cotangent)
     assert np.isfinite(np.asarray(expected["out"])).all(), f"{name}: reference must be finite"
     _assert_close(expected, actual, name)
+
+
+def _cpu_has_avx512() -> bool:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            flags = next(line for line in cpuinfo if line.startswith("flags")).split()
+    except (OSError, StopIteration):
+        return False
+    return platform.machine() == "x86_64" and "avx512f" in flags
+
+
+@pytestmark_native
+def test_products_follow_the_cpu(monkeypatch):
+    """The tiles' products run on the AVX-512 micro-kernel exactly where the CPU has AVX-512
+    (x86-64 Linux here), on the BLAS elsewhere and when the environment asks for it."""
+    assert native.products() == ("avx512" if _cpu_has_avx512() else "blas")
+    monkeypatch.setenv("FLAX_ATTENTION_NATIVE_PRODUCTS", "blas")
+    assert native.products() == "blas"
+
+
+#: Cases whose head dims are multiples of 16 (the micro-kernel's, where the CPU has AVX-512),
+#: run again on the BLAS's products: both ways equal ``reference``.
+BLAS_CASES = ["tiles_65_causal", "head_dim_256", "cross_7_11", "mask_bhts_causal"]
+
+
+@pytestmark_native
+@pytest.mark.parametrize("name", BLAS_CASES)
+def test_blas_products_equal_reference(name, monkeypatch):
+    """``FLAX_ATTENTION_NATIVE_PRODUCTS=blas`` (read at each call): scipy-openblas32's sgemm for
+    every product, forward and gradients equal to ``reference``, over key tiles of 8 too."""
+    case = next(c for c in CASES if c[0] == name)
+    _, batch, t, s, h, d_k, d_v, is_causal, mask_shape, offset, fill, block_q = case
+    q, k, v, cotangent, mask = _inputs(batch, t, s, h, d_k, d_v, mask_shape)
+    expected = _reference_run(name, mask, is_causal, offset, fill, q, k, v, cotangent)
+    monkeypatch.setenv("FLAX_ATTENTION_NATIVE_PRODUCTS", "blas")
+    for block_k in (0, 8):
+        kernel = _native(mask, is_causal, offset, fill, block_q=block_q, block_k=block_k)
+        _assert_close(expected, _run(kernel, q, k, v, cotangent), f"{name} on the BLAS")
 
 
 @pytestmark_native

@@ -10,10 +10,12 @@ the query offset), plus dropout inside the tiles (``dropout_hash``). Forward and
 two FFI targets under one ``jax.custom_vjp``; the backward recomputes the tiles from the saved
 row max ``m`` and denominator ``l``. Tiles are ``block_q`` queries (64, or 128 from 2048
 queries, unless given) by ``block_k`` keys (512 unless given); the forward runs an online
-softmax across a row's key tiles. The BLAS is scipy-openblas32 (single-threaded per call), the
-parallelism XLA's intra-op thread pool, one task per (batch, head, query block) forward and per
-(batch, head) backward. Inputs of float32 or bfloat16 are
-computed in float32 and the result cast back; ``precision`` is accepted for the common
+softmax across a row's key tiles. The tiles' products run on the kernel's own AVX-512
+micro-kernel where the CPU has AVX-512 and the head dims are multiples of 16 (GPT-2's 64), on
+scipy-openblas32's ``sgemm`` (single-threaded per call) elsewhere (``products()`` says which;
+``FLAX_ATTENTION_NATIVE_PRODUCTS=blas`` asks for the BLAS). The parallelism is XLA's intra-op
+thread pool, one task per (batch, head, query block) forward and per (batch, head) backward.
+Inputs of float32 or bfloat16 are computed in float32 and the result cast back; ``precision`` is accepted for the common
 signature: the kernel always multiplies in full float32 (``HIGHEST``).
 
 The library is built by the package's install (``setup.py``). Where it was not built, cannot be
@@ -61,6 +63,7 @@ __all__ = [
     "available",
     "can_run",
     "check_dtypes",
+    "products",
     "why_not_here",
     "why_unavailable",
     "native_attention",
@@ -69,6 +72,7 @@ __all__ = [
 
 _FORWARD, _BACKWARD = "flax_attention_native_forward", "flax_attention_native_backward"
 _HERE = pathlib.Path(__file__).parent
+_LIBRARY: list = []  # the loaded library, once ``_load`` has loaded it
 
 
 @functools.cache
@@ -104,6 +108,7 @@ def _load() -> str | None:
         ):
             capsule = jax.ffi.pycapsule(getattr(library, symbol))
             jax.ffi.register_ffi_target(name, capsule, platform="cpu")
+        _LIBRARY.append(library)
     except (OSError, AttributeError) as error:
         return f"the native kernel {built[-1].name} could not be loaded: {error}"
     return None
@@ -127,6 +132,20 @@ def available() -> bool:
 def why_unavailable() -> str | None:
     """Why the native kernel is off (not built, not loadable, switched off), or ``None``."""
     return _load()
+
+
+def products() -> str | None:
+    """What the kernel multiplies its tiles with where ``d_k`` and ``d_v`` are multiples of 16:
+    ``"avx512"``, its own register-blocked micro-kernel (x86-64 CPUs with AVX-512), or
+    ``"blas"``, scipy-openblas32's ``sgemm`` (other CPUs, other head dims, and wherever
+    ``FLAX_ATTENTION_NATIVE_PRODUCTS=blas`` is set: the kernel reads it at each call). ``None``
+    where the kernel is unavailable."""
+    if _load() is not None:
+        return None
+    if os.environ.get("FLAX_ATTENTION_NATIVE_PRODUCTS") == "blas":
+        return "blas"
+    function = getattr(_LIBRARY[0], "FlaxAttentionMicroKernel", None)
+    return "avx512" if function is not None and function() == 1 else "blas"
 
 
 def why_not_here() -> str | None:

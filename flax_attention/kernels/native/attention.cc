@@ -9,10 +9,10 @@
 //
 // Forward, per (batch, head, block of bq queries), one task of XLA's thread pool, over the keys
 // the causal mask leaves (kend) in tiles of bk keys:
-//   S = Q K^T / sqrt(dk)            one sgemm per tile
+//   S = Q K^T / sqrt(dk)            one product per tile
 //   per row: fill the masked scores, row max m, p = exp(s - m), l = sum p  (two fused passes);
 //   over several tiles an online softmax: the running m, l and output rescaled as m grows
-//   O = (P * dropout keep / (1 - rate)) V / l     one sgemm per tile, accumulated
+//   O = (P * dropout keep / (1 - rate)) V / l     one product per tile, accumulated
 // The rows' m and l are returned apart (not as m + log l): with document 001's -1e10 fill a
 // fully masked row has m = -1e10, where m + log l would round log l away.
 //
@@ -24,6 +24,9 @@
 //   dQ = dS K / sqrt(dk),  dK += dS^T Q / sqrt(dk)
 // where D is the dropout keep-mask times 1 / (1 - rate), regenerated from the same hash.
 //
+// The products: MicroGemm (below) on CPUs with AVX-512 where dk and dv are multiples of 16,
+// scipy-openblas32's sgemm otherwise.
+//
 // Masking semantics (those of the reference): the caller's mask fills a score with fill_value
 // (-inf, or document 001's -1e10); a key the causal mask hides stays -inf (it is skipped), so
 // a row the caller masks entirely is uniform over its causally visible keys with -1e10 and NaN
@@ -34,6 +37,7 @@
 #include <cmath>
 #include <condition_variable>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -104,10 +108,17 @@ struct Attention {
   uint32_t seed, drop_threshold;  // keep a weight where its hash >= drop_threshold
   float drop_scale;               // 1 / (1 - rate)
   const uint32_t *batch_index, *head_index;  // the hash's (global) batch and head numbers
+  // The micro-kernel's products (MicroGemm) where set, else the BLAS's; kt and vt: the keys and
+  // values transposed, (b, h, dk | dv, sp), sp >= s + kLanes columns (zero past s).
+  bool micro = false;
+  const float *kt = nullptr, *vt = nullptr;
+  int64_t sp = 0;
 
   const float* Q(int64_t b, int64_t i, int64_t hd) const { return q + ((b * t + i) * heads + hd) * dk; }
   const float* K(int64_t b, int64_t j, int64_t hd) const { return k + ((b * s + j) * heads + hd) * dk; }
   const float* V(int64_t b, int64_t j, int64_t hd) const { return v + ((b * s + j) * heads + hd) * dv; }
+  const float* KT(int64_t b, int64_t hd) const { return kt + (b * heads + hd) * dk * sp; }
+  const float* VT(int64_t b, int64_t hd) const { return vt + (b * heads + hd) * dv * sp; }
   const bool* MaskRow(int64_t b, int64_t hd, int64_t i) const {
     return mask + b * mask_stride[0] + hd * mask_stride[1] + i * mask_stride[2];
   }
@@ -218,6 +229,132 @@ float* Scratch(size_t size) {
   return scratch.data();
 }
 
+// ---- products on AVX-512: a register-blocked micro-kernel for the heads' short products -----
+// The tiles' products contract over a head's 64 features or a tile's rows: too short for a
+// BLAS, which packs both operands on every call and stores C after each 64-long panel
+// (scipy-openblas32 ran them at 55-85% of a core's peak). Here every product is one form,
+//   C[i][n] = alpha * sum_k A[i * am + k * ak] * B[k * ldb + n]  (+ C[i][n] when accumulating)
+// with B's rows contiguous over n: C in blocks of 6 rows x 64 columns (24 of the 32 vector
+// registers), per k one vector load of B per 16 columns and one broadcast of A per row. The
+// scores' product reads the keys transposed, (dk, s), made once per head before the tiles.
+// Used where the CPU has AVX-512 and N (the scores' padded row, dk, dv) is a multiple of 16;
+// elsewhere the BLAS.
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define FLAX_ATTENTION_MICRO 1
+#define AVX512 __attribute__((target("avx512f,avx2,fma")))
+
+template <int R, int V>  // R rows of C, V vectors of 16 columns
+AVX512 inline void MicroBlock(int64_t k_len, const float* A, int64_t am, int64_t ak,
+                              const float* B, int64_t ldb, float* C, int64_t ldc, float alpha,
+                              bool accumulate) {
+  __m512 acc[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) acc[r][v] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < k_len; ++k) {
+    const float* b = B + k * ldb;
+    __m512 bv[V];
+    for (int v = 0; v < V; ++v) bv[v] = _mm512_loadu_ps(b + 16 * v);
+    const float* a = A + k * ak;
+    for (int r = 0; r < R; ++r) {
+      const __m512 ar = _mm512_set1_ps(a[r * am]);
+      for (int v = 0; v < V; ++v) acc[r][v] = _mm512_fmadd_ps(ar, bv[v], acc[r][v]);
+    }
+  }
+  const __m512 scale = _mm512_set1_ps(alpha);
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) {
+      float* c = C + r * ldc + 16 * v;
+      const __m512 out = accumulate ? _mm512_fmadd_ps(acc[r][v], scale, _mm512_loadu_ps(c))
+                                    : _mm512_mul_ps(acc[r][v], scale);
+      _mm512_storeu_ps(c, out);
+    }
+}
+
+template <int V>
+AVX512 void MicroColumns(int64_t m, int64_t k_len, const float* A, int64_t am, int64_t ak,
+                         const float* B, int64_t ldb, float* C, int64_t ldc, float alpha,
+                         bool accumulate) {
+  int64_t i = 0;
+  for (; i + 6 <= m; i += 6)
+    MicroBlock<6, V>(k_len, A + i * am, am, ak, B, ldb, C + i * ldc, ldc, alpha, accumulate);
+  const float* a = A + i * am;
+  float* c = C + i * ldc;
+  switch (m - i) {
+    case 5: MicroBlock<5, V>(k_len, a, am, ak, B, ldb, c, ldc, alpha, accumulate); break;
+    case 4: MicroBlock<4, V>(k_len, a, am, ak, B, ldb, c, ldc, alpha, accumulate); break;
+    case 3: MicroBlock<3, V>(k_len, a, am, ak, B, ldb, c, ldc, alpha, accumulate); break;
+    case 2: MicroBlock<2, V>(k_len, a, am, ak, B, ldb, c, ldc, alpha, accumulate); break;
+    case 1: MicroBlock<1, V>(k_len, a, am, ak, B, ldb, c, ldc, alpha, accumulate); break;
+    default: break;
+  }
+}
+
+// C (m x n, n a multiple of 16) = alpha A B (+ C): column blocks of 64 outside, so a block of B
+// (k_len x 64) stays in L1 while every row block of C passes over it.
+AVX512 void MicroGemm(int64_t m, int64_t n, int64_t k_len, const float* A, int64_t am,
+                      int64_t ak, const float* B, int64_t ldb, float* C, int64_t ldc,
+                      float alpha, bool accumulate) {
+  int64_t j = 0;
+  for (; j + 64 <= n; j += 64)
+    MicroColumns<4>(m, k_len, A, am, ak, B + j, ldb, C + j, ldc, alpha, accumulate);
+  switch ((n - j) / 16) {
+    case 3: MicroColumns<3>(m, k_len, A, am, ak, B + j, ldb, C + j, ldc, alpha, accumulate); break;
+    case 2: MicroColumns<2>(m, k_len, A, am, ak, B + j, ldb, C + j, ldc, alpha, accumulate); break;
+    case 1: MicroColumns<1>(m, k_len, A, am, ak, B + j, ldb, C + j, ldc, alpha, accumulate); break;
+    default: break;
+  }
+}
+
+bool CpuHasAvx512() {
+  static const bool has = __builtin_cpu_supports("avx512f");
+  return has;
+}
+
+// x (s rows of `count` features, row stride ld; count a multiple of 16) -> xt (count x sp),
+// zero from column s on: 16 x 16 blocks transposed in registers.
+AVX512 void Transpose(const float* x, int64_t s, int64_t count, int64_t ld, float* xt,
+                      int64_t sp) {
+  for (int64_t j0 = 0; j0 < s; j0 += 16) {
+    const int64_t jn = std::min<int64_t>(16, s - j0);
+    for (int64_t c0 = 0; c0 < count; c0 += 16) {
+      __m512 r[16], t[16];
+      for (int i = 0; i < 16; ++i)
+        r[i] = i < jn ? _mm512_loadu_ps(x + (j0 + i) * ld + c0) : _mm512_setzero_ps();
+      for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+      }
+      for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
+        r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
+        r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+      }
+      for (int h = 0; h < 16; h += 8)
+        for (int i = 0; i < 4; ++i) {
+          t[h + i] = _mm512_shuffle_f32x4(r[h + i], r[h + i + 4], 0x88);
+          t[h + i + 4] = _mm512_shuffle_f32x4(r[h + i], r[h + i + 4], 0xDD);
+        }
+      for (int i = 0; i < 8; ++i) {
+        r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD);
+      }
+      for (int c = 0; c < 16; ++c) _mm512_storeu_ps(xt + (c0 + c) * sp + j0, r[c]);
+    }
+  }
+  const int64_t zero_from = (s + 15) / 16 * 16;
+  for (int64_t c = 0; c < count; ++c) std::fill(xt + c * sp + zero_from, xt + (c + 1) * sp, 0.0f);
+}
+#else
+#define FLAX_ATTENTION_MICRO 0
+bool CpuHasAvx512() { return false; }
+void MicroGemm(int64_t, int64_t, int64_t, const float*, int64_t, int64_t, const float*, int64_t,
+               float*, int64_t, float, bool) {}
+void Transpose(const float*, int64_t, int64_t, int64_t, float*, int64_t) {}
+#endif
+
 // ---- forward -------------------------------------------------------------------------------
 
 WIDEST_VECTORS
@@ -247,9 +384,13 @@ void ForwardBlock(const Attention& a, int64_t b, int64_t hd, int64_t i0, float* 
   for (int64_t r = 0; r < rows; ++r) m_out[r] = kNegInf, l_out[r] = 0.0f;
   for (int64_t j0 = 0; j0 < kend; j0 += bk) {
     const int64_t n = std::min(bk, kend - j0), ldn = Padded(n);
-    scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, n, a.dk, a.scale,
-                      a.Q(b, i0, hd), a.heads * a.dk, a.K(b, j0, hd), a.heads * a.dk, 0.0f, S,
-                      ldn);
+    if (a.micro)
+      MicroGemm(rows, ldn, a.dk, a.Q(b, i0, hd), a.heads * a.dk, 1, a.KT(b, hd) + j0, a.sp, S,
+                ldn, a.scale, false);
+    else
+      scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, n, a.dk, a.scale,
+                        a.Q(b, i0, hd), a.heads * a.dk, a.K(b, j0, hd), a.heads * a.dk, 0.0f, S,
+                        ldn);
     for (int64_t r = 0; r < rows; ++r) {
       float* row = S + r * ldn;
       const bool* keep = a.mask ? a.MaskRow(b, hd, i0 + r) + j0 * a.mask_stride[3] : nullptr;
@@ -267,8 +408,12 @@ void ForwardBlock(const Attention& a, int64_t b, int64_t hd, int64_t i0, float* 
         for (int64_t j = 0; j < ldn; ++j) row[j] *= drop[j];
       }
     }
-    scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, a.dv, n, 1.0f, S, ldn,
-                      a.V(b, j0, hd), a.heads * a.dv, j0 > 0 ? 1.0f : 0.0f, acc, ldacc);
+    if (a.micro)
+      MicroGemm(rows, a.dv, n, S, ldn, 1, a.V(b, j0, hd), a.heads * a.dv, acc, ldacc, 1.0f,
+                j0 > 0);
+    else
+      scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, a.dv, n, 1.0f, S, ldn,
+                        a.V(b, j0, hd), a.heads * a.dv, j0 > 0 ? 1.0f : 0.0f, acc, ldacc);
   }
   for (int64_t r = 0; r < rows; ++r) {
     if (m_out[r] == kNegInf) m_out[r] = 0.0f;  // the backward's exp(s - m) is 0 all the same
@@ -316,10 +461,16 @@ void BackwardHead(const Attention& a, int64_t b, int64_t hd, const float* out, c
     float* drop = dP + rows * ld;
     for (int64_t j0 = 0; j0 < kend; j0 += bk) {
       const int64_t n = std::min(bk, kend - j0), ldn = Padded(n);
-      scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, n, a.dk, a.scale,
-                        a.Q(b, i0, hd), ldk, a.K(b, j0, hd), ldk, 0.0f, P, ldn);
-      scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, n, a.dv, 1.0f, dO, ldv,
-                        a.V(b, j0, hd), ldv, 0.0f, dP, ldn);
+      if (a.micro) {
+        MicroGemm(rows, ldn, a.dk, a.Q(b, i0, hd), ldk, 1, a.KT(b, hd) + j0, a.sp, P, ldn,
+                  a.scale, false);
+        MicroGemm(rows, ldn, a.dv, dO, ldv, 1, a.VT(b, hd) + j0, a.sp, dP, ldn, 1.0f, false);
+      } else {
+        scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, n, a.dk, a.scale,
+                          a.Q(b, i0, hd), ldk, a.K(b, j0, hd), ldk, 0.0f, P, ldn);
+        scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, n, a.dv, 1.0f, dO, ldv,
+                          a.V(b, j0, hd), ldv, 0.0f, dP, ldn);
+      }
       for (int64_t r = 0; r < rows; ++r) {
         float* p = P + r * ldn;
         float* dp = dP + r * ldn;
@@ -344,6 +495,13 @@ void BackwardHead(const Attention& a, int64_t b, int64_t hd, const float* out, c
         }
       }
       // dV += (P * D)^T dO;  dQ (+)= dS K * scale;  dK += dS^T Q * scale
+      if (a.micro) {
+        MicroGemm(n, a.dv, rows, P, 1, ldn, dO, ldv, dV + j0 * ldv, ldv, 1.0f, true);
+        MicroGemm(rows, a.dk, n, dP, ldn, 1, a.K(b, j0, hd), ldk, dQ, ldk, a.scale, j0 > 0);
+        MicroGemm(n, a.dk, rows, dP, 1, ldn, a.Q(b, i0, hd), ldk, dK + j0 * ldk, ldk, a.scale,
+                  true);
+        continue;
+      }
       scipy_cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, n, a.dv, rows, 1.0f, P, ldn,
                         dO, ldv, 1.0f, dV + j0 * ldv, ldv);
       scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, a.dk, n, a.scale, dP,
@@ -389,7 +547,30 @@ ffi::Error Decode(Attention& a, F32x4 q, F32x4 k,
   a.bk = block_k > 0 ? block_k : 512;
   if (a.bq > kMaxRows)
     return ffi::Error::InvalidArgument("native attention: block_q must be at most 1024");
+  const char* products = std::getenv("FLAX_ATTENTION_NATIVE_PRODUCTS");
+  a.micro = FLAX_ATTENTION_MICRO && CpuHasAvx512() && a.dk % 16 == 0 && a.dv % 16 == 0 &&
+            !(products && std::strcmp(products, "blas") == 0);
+  a.sp = Padded(a.s + kLanes);
   return ffi::Error::Success();
+}
+
+// The keys (and values, for the backward) transposed per head for the micro-kernel, into a
+// buffer of the calling thread's, one task per (batch, head).
+thread_local std::vector<float> transposed;
+
+void TransposeHeads(ffi::ThreadPool& pool, Attention& a, bool values) {
+  const int64_t per_head = (a.dk + (values ? a.dv : 0)) * a.sp;
+  if (transposed.size() < size_t(a.batch * a.heads * per_head))
+    transposed.resize(a.batch * a.heads * per_head);
+  float* kt = transposed.data();
+  float* vt = kt + a.batch * a.heads * a.dk * a.sp;
+  ParallelFor(pool, a.batch * a.heads, [&](int64_t bh) {
+    const int64_t b = bh / a.heads, hd = bh % a.heads;
+    Transpose(a.K(b, 0, hd), a.s, a.dk, a.heads * a.dk, kt + bh * a.dk * a.sp, a.sp);
+    if (values) Transpose(a.V(b, 0, hd), a.s, a.dv, a.heads * a.dv, vt + bh * a.dv * a.sp, a.sp);
+  });
+  a.kt = kt;
+  a.vt = values ? vt : nullptr;
 }
 
 ffi::Error Forward(ffi::ThreadPool pool, F32x4 q, F32x4 k,
@@ -404,6 +585,7 @@ ffi::Error Forward(ffi::ThreadPool pool, F32x4 q, F32x4 k,
                       has_mask, fill_value, drop_threshold, drop_scale, block_q, block_k);
       e.failure())
     return e;
+  if (a.micro) TransposeHeads(pool, a, false);
   const int64_t blocks = (a.t + a.bq - 1) / a.bq;
   float *o = out->typed_data(), *mm = m->typed_data(), *ll = l->typed_data();
   ParallelFor(pool, a.batch * a.heads * blocks, [&](int64_t item) {
@@ -427,6 +609,7 @@ ffi::Error Backward(ffi::ThreadPool pool, F32x4 q, F32x4 k,
                       has_mask, fill_value, drop_threshold, drop_scale, block_q, block_k);
       e.failure())
     return e;
+  if (a.micro) TransposeHeads(pool, a, true);
   ParallelFor(pool, a.batch * a.heads, [&](int64_t bh) {
     BackwardHead(a, bh / a.heads, bh % a.heads, out.typed_data(), m.typed_data(),
                  l.typed_data(), d_out.typed_data(), dq->typed_data(), dk->typed_data(),
@@ -444,6 +627,10 @@ ffi::Error Backward(ffi::ThreadPool pool, F32x4 q, F32x4 k,
 #define FLAX_ATTENTION_JAXLIB "unknown"
 #endif
 extern "C" const char* FlaxAttentionJaxlibVersion() { return FLAX_ATTENTION_JAXLIB; }
+
+// 1 where the tiles' products run on the micro-kernel (built for x86-64, and this CPU has
+// AVX-512), for head dims that are multiples of 16 and unless FLAX_ATTENTION_NATIVE_PRODUCTS=blas.
+extern "C" int FlaxAttentionMicroKernel() { return FLAX_ATTENTION_MICRO && CpuHasAvx512(); }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FlaxAttentionForward, Forward,
                               ffi::Ffi::Bind()
