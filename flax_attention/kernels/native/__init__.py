@@ -15,8 +15,9 @@ micro-kernel where the CPU has AVX-512 and the head dims are multiples of 16 (GP
 scipy-openblas32's ``sgemm`` (single-threaded per call) elsewhere (``products()`` says which;
 ``FLAX_ATTENTION_NATIVE_PRODUCTS=blas`` asks for the BLAS). The parallelism is XLA's intra-op
 thread pool, one task per (batch, head, query block) forward and per (batch, head) backward.
-Inputs of float32 or bfloat16 are computed in float32 and the result cast back; ``precision`` is accepted for the common
-signature: the kernel always multiplies in full float32 (``HIGHEST``).
+Inputs of float32 or bfloat16 are computed in float32 and the result cast back; ``precision``
+is accepted for the common signature: the kernel always multiplies in full float32
+(``HIGHEST``).
 
 The library is built by the package's install (``setup.py``). Where it was not built, cannot be
 loaded, or ``FLAX_ATTENTION_NATIVE=0`` is set in the environment at import, ``available()`` is
