@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
@@ -367,6 +368,22 @@ def test_adamw_training_equals_the_books_loop(trained, weights):
     assert last < first - 0.1, f"the loss did not fall ({first:.3f} -> {last:.3f}): a weak check"
     moved = _error(torch_params["out_head.weight"], weights["out_head.weight"])
     assert moved > 100 * TRAIN_TOL, f"training moved the head by only {moved:.2e}"
+
+
+def test_train_step_updates_in_place(weights, batches):
+    """The step donates the model's and the optimiser's arrays (torch's in-place
+    ``optimizer.step()``): the old ones are deleted, the new ones hold the step's result, and a
+    copy taken before the step survives it."""
+    model, optimizer = _flax_trainer(weights)
+    old_table = model.tok_emb.embedding[...]
+    old_moment = jax.tree.leaves(nnx.state(optimizer, nnx.OptState))[-1]
+    kept = np.array(jnp.copy(old_table))
+    x, y = batches[0]
+    loss = float(models.train_step(model, optimizer, x, y))
+    assert old_table.is_deleted() and old_moment.is_deleted()
+    new_table = np.asarray(model.tok_emb.embedding[...])
+    assert np.isfinite(loss) and np.array_equal(kept, weights["tok_emb.weight"])
+    assert 0 < np.abs(new_table - kept).max() < 1e-2  # one AdamW step of lr 4e-4 moved it
 
 
 def test_orbax_checkpoint_mid_run_resumes_bit_for_bit(tmp_path, trained, weights, batches):
