@@ -554,15 +554,36 @@ ffi::Error Decode(Attention& a, F32x4 q, F32x4 k,
   return ffi::Error::Success();
 }
 
-// The keys (and values, for the backward) transposed per head for the micro-kernel, into a
-// buffer of the calling thread's, one task per (batch, head).
-thread_local std::vector<float> transposed;
+// The keys (and values, for the backward) transposed per head for the micro-kernel, one task
+// per (batch, head). Their buffer is as large as the keys and values: a fresh one per call
+// costs its page faults every call (5 ms of b8 t1024's 83 ms forward), so one buffer of up
+// to 256 MB is kept for the process and lent to whichever call finds it free; a call that
+// needs more, or runs while another holds it, has a buffer of its own for the call.
+struct Transposed {
+  std::unique_lock<std::mutex> lock;  // holds the kept buffer while this call uses it
+  std::unique_ptr<float[]> own;
+};
 
-void TransposeHeads(ffi::ThreadPool& pool, Attention& a, bool values) {
+std::mutex kept_mutex;
+std::vector<float> kept;
+
+float* Borrow(size_t n, Transposed& t) {
+  constexpr size_t kKeepFloats = size_t{64} << 20;  // 256 MB
+  if (n <= kKeepFloats) {
+    std::unique_lock<std::mutex> lock(kept_mutex, std::try_to_lock);
+    if (lock.owns_lock()) {
+      if (kept.size() < n) kept.resize(n);
+      t.lock = std::move(lock);
+      return kept.data();
+    }
+  }
+  t.own.reset(new float[n]);  // uninitialised: every element is written before it is read
+  return t.own.get();
+}
+
+void TransposeHeads(ffi::ThreadPool& pool, Attention& a, bool values, Transposed& transposed) {
   const int64_t per_head = (a.dk + (values ? a.dv : 0)) * a.sp;
-  if (transposed.size() < size_t(a.batch * a.heads * per_head))
-    transposed.resize(a.batch * a.heads * per_head);
-  float* kt = transposed.data();
+  float* kt = Borrow(a.batch * a.heads * per_head, transposed);
   float* vt = kt + a.batch * a.heads * a.dk * a.sp;
   ParallelFor(pool, a.batch * a.heads, [&](int64_t bh) {
     const int64_t b = bh / a.heads, hd = bh % a.heads;
@@ -585,7 +606,8 @@ ffi::Error Forward(ffi::ThreadPool pool, F32x4 q, F32x4 k,
                       has_mask, fill_value, drop_threshold, drop_scale, block_q, block_k);
       e.failure())
     return e;
-  if (a.micro) TransposeHeads(pool, a, false);
+  Transposed transposed;  // released when the call returns
+  if (a.micro) TransposeHeads(pool, a, false, transposed);
   const int64_t blocks = (a.t + a.bq - 1) / a.bq;
   float *o = out->typed_data(), *mm = m->typed_data(), *ll = l->typed_data();
   ParallelFor(pool, a.batch * a.heads * blocks, [&](int64_t item) {
@@ -609,7 +631,8 @@ ffi::Error Backward(ffi::ThreadPool pool, F32x4 q, F32x4 k,
                       has_mask, fill_value, drop_threshold, drop_scale, block_q, block_k);
       e.failure())
     return e;
-  if (a.micro) TransposeHeads(pool, a, true);
+  Transposed transposed;  // released when the call returns
+  if (a.micro) TransposeHeads(pool, a, true, transposed);
   ParallelFor(pool, a.batch * a.heads, [&](int64_t bh) {
     BackwardHead(a, bh / a.heads, bh % a.heads, out.typed_data(), m.typed_data(),
                  l.typed_data(), d_out.typed_data(), dq->typed_data(), dk->typed_data(),
