@@ -8,6 +8,7 @@ into a fresh peer gives our outputs there. Float32, 1e-6 at small sizes and 1e-5
 
 from __future__ import annotations
 
+import inspect
 import subprocess
 import sys
 
@@ -91,16 +92,20 @@ def _gpt2(d, heads, n_positions, implementation, seed=0):
     return config, _randomise(GPT2Attention(config, layer_idx=0), d**-0.5, seed)
 
 
+#: ``create_causal_mask``'s cache argument: ``cache`` from transformers 5.24,
+#: ``past_key_values`` before (5.24 still takes it, with a FutureWarning).
+_CACHE_ARGUMENT = (
+    "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
+)
+
+
 def _gpt2_forward(config, attn, x: torch.Tensor) -> np.ndarray:
     """``attn(x)`` with the causal mask exactly as ``GPT2Model.forward`` makes it (a 4-D float
     mask for eager; ``None`` for sdpa, which then runs ``is_causal``)."""
     position_ids = torch.arange(x.shape[1])[None]
+    no_cache = {_CACHE_ARGUMENT: None}
     mask = create_causal_mask(
-        config=config,
-        inputs_embeds=x,
-        attention_mask=None,
-        past_key_values=None,
-        position_ids=position_ids,
+        config=config, inputs_embeds=x, attention_mask=None, position_ids=position_ids, **no_cache
     )
     with torch.no_grad():
         return attn(x, attention_mask=mask)[0].numpy()
