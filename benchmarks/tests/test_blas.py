@@ -87,6 +87,7 @@ def test_kernel_built_with_the_shim_equals_sdpa(blas_run):
     }
     for row in rows:
         assert row["blas"] == "openblas32"
+        assert row["products"] == "blas", row  # the build's BLAS, not the kernel's micro-kernel
         assert row["max_abs_diff_vs_sdpa"] <= ATOL, row
         for key in ("median_ms", "sdpa_ms", "ratio_vs_sdpa"):
             assert _positive(row[key]), (key, row)
