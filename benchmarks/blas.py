@@ -47,6 +47,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from unittest import mock
 
 import numpy as np
 
@@ -443,22 +444,8 @@ def time_kernel(blases, workdir, shapes, repeats) -> list[dict]:
     """Each build's forward and forward+backward, with torch SDPA in the same round-robin. The
     kernel's products go through each build's BLAS (``FLAX_ATTENTION_NATIVE_PRODUCTS=blas``, set
     for the timing): on AVX-512 CPUs it would otherwise run its own micro-kernel in every build."""
-    with _environment(FLAX_ATTENTION_NATIVE_PRODUCTS="blas"):
+    with mock.patch.dict(os.environ, FLAX_ATTENTION_NATIVE_PRODUCTS="blas"):
         return _time_kernel(blases, workdir, shapes, repeats)
-
-
-@contextlib.contextmanager
-def _environment(**values):
-    before = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, value in before.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def _time_kernel(blases, workdir, shapes, repeats) -> list[dict]:

@@ -143,10 +143,7 @@ def products() -> str | None:
     where the kernel is unavailable."""
     if _load() is not None:
         return None
-    if os.environ.get("FLAX_ATTENTION_NATIVE_PRODUCTS") == "blas":
-        return "blas"
-    function = getattr(_LIBRARY[0], "FlaxAttentionMicroKernel", None)
-    return "avx512" if function is not None and function() == 1 else "blas"
+    return "avx512" if _LIBRARY[0].FlaxAttentionMicroKernel() == 1 else "blas"
 
 
 def why_not_here() -> str | None:

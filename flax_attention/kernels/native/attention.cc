@@ -500,7 +500,7 @@ void BackwardHead(const Attention& a, int64_t b, int64_t hd, const float* out, c
         MicroGemm(rows, a.dk, n, dP, ldn, 1, a.K(b, j0, hd), ldk, dQ, ldk, a.scale, j0 > 0);
         MicroGemm(n, a.dk, rows, dP, 1, ldn, a.Q(b, i0, hd), ldk, dK + j0 * ldk, ldk, a.scale,
                   true);
-        continue;
+        continue;  // the BLAS's three products below are the same
       }
       scipy_cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, n, a.dv, rows, 1.0f, P, ldn,
                         dO, ldv, 1.0f, dV + j0 * ldv, ldv);
@@ -510,6 +510,14 @@ void BackwardHead(const Attention& a, int64_t b, int64_t hd, const float* out, c
                         ldn, a.Q(b, i0, hd), ldk, 1.0f, dK + j0 * ldk, ldk);
     }
   }
+}
+
+// Whether the products may run on the micro-kernel (built for x86-64, the CPU has AVX-512, and
+// FLAX_ATTENTION_NATIVE_PRODUCTS=blas is not set: read at each call); head dims aside.
+bool MicroKernel() {
+  const char* products = std::getenv("FLAX_ATTENTION_NATIVE_PRODUCTS");
+  const bool blas = products && std::strcmp(products, "blas") == 0;
+  return FLAX_ATTENTION_MICRO && CpuHasAvx512() && !blas;
 }
 
 // ---- decoding the FFI call -----------------------------------------------------------------
@@ -547,9 +555,7 @@ ffi::Error Decode(Attention& a, F32x4 q, F32x4 k,
   a.bk = block_k > 0 ? block_k : 512;
   if (a.bq > kMaxRows)
     return ffi::Error::InvalidArgument("native attention: block_q must be at most 1024");
-  const char* products = std::getenv("FLAX_ATTENTION_NATIVE_PRODUCTS");
-  a.micro = FLAX_ATTENTION_MICRO && CpuHasAvx512() && a.dk % 16 == 0 && a.dv % 16 == 0 &&
-            !(products && std::strcmp(products, "blas") == 0);
+  a.micro = MicroKernel() && a.dk % 16 == 0 && a.dv % 16 == 0;
   a.sp = Padded(a.s + kLanes);
   return ffi::Error::Success();
 }
@@ -651,9 +657,8 @@ ffi::Error Backward(ffi::ThreadPool pool, F32x4 q, F32x4 k,
 #endif
 extern "C" const char* FlaxAttentionJaxlibVersion() { return FLAX_ATTENTION_JAXLIB; }
 
-// 1 where the tiles' products run on the micro-kernel (built for x86-64, and this CPU has
-// AVX-512), for head dims that are multiples of 16 and unless FLAX_ATTENTION_NATIVE_PRODUCTS=blas.
-extern "C" int FlaxAttentionMicroKernel() { return FLAX_ATTENTION_MICRO && CpuHasAvx512(); }
+// 1 where a call now would run its products on the micro-kernel (head dims multiples of 16).
+extern "C" int FlaxAttentionMicroKernel() { return MicroKernel(); }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FlaxAttentionForward, Forward,
                               ffi::Ffi::Bind()
