@@ -11,6 +11,7 @@ errors bad inputs raise.
 
 from __future__ import annotations
 
+import itertools
 import re
 
 import jax
@@ -309,6 +310,67 @@ def test_sampling_is_a_function_of_the_key_and_top_k_one_is_greedy(pair):
     np.testing.assert_array_equal(sample(2, top_k=1), greedy)
 
 
+#: (prompt tokens, context_size, new tokens): windows that crop after 0, 1 or several cached
+#: steps, a prompt longer than its window, and ``context_size == context_length`` run past it.
+GREEDY_CASES = [(1, 16, 20), (5, 8, 12), (7, 7, 6), (12, 8, 5), (3, 4, 9), (6, 16, 8)]
+
+
+@pytest.mark.parametrize("prompt_bucket", [1, 4], ids=["unpadded", "bucket4"])
+def test_greedy_tokens_equal_the_books_loop_for_many_prompts_and_windows(pair, prompt_bucket):
+    """Token for token against the book's loop (cropping included), with the prompt run as it
+    is and left-padded to a multiple of 4 (bucket4 pads 3, 3, 1, 0, 1 and 2 tokens)."""
+    twin, model = pair
+    for tokens, window, new in GREEDY_CASES:
+        prompt = PROMPTS[:, :tokens]
+        expected = _book(book_gpt.generate_text_simple, twin, prompt, new, window)
+        got = models.generate(model, prompt, new, window, prompt_bucket=prompt_bucket)
+        np.testing.assert_array_equal(
+            got, expected, err_msg=f"prompt {tokens}, context_size {window}, {new} new tokens"
+        )
+
+
+def test_a_left_padded_row_equals_itself_alone_once_the_window_crops(pair):
+    """Row 0 (5 tokens, 3 of padding) and row 1 (8 tokens) with window 8: after the first step
+    every window is cropped, and the padding must stay hidden in the cropped windows too."""
+    twin, model = pair
+    short = PROMPTS[:1, :5]
+    ids = np.concatenate([np.pad(short, ((0, 0), (3, 0))), PROMPTS[1:, :8]])  # (2, 8)
+    mask = np.array([[0] * 3 + [1] * 5, [1] * 8])
+    got = np.asarray(models.generate(model, ids, 10, 8, attention_mask=mask))
+    for row, prompt in ((0, short), (1, PROMPTS[1:, :8])):
+        expected = _book(book_gpt.generate_text_simple, twin, prompt, 10, 8)
+        np.testing.assert_array_equal(got[row, -10:], expected[0, -10:], err_msg=f"row {row}")
+
+
+def test_generate_runs_a_train_mode_model_in_eval_mode_and_leaves_it_in_train_mode(pair):
+    """Dropout 0.5 in train mode: generation turns it off (the book calls ``model.eval()``)
+    and gives the mode back."""
+    twin, model = pair
+    dropping = _flax(fa.state_dict(model), cfg={**CFG, "drop_rate": 0.5})
+    dropping.train()
+    expected = _book(book_gpt.generate_text_simple, twin, PROMPTS[:, :5], 8, 16)
+    np.testing.assert_array_equal(models.generate(dropping, PROMPTS[:, :5], 8, 16), expected)
+    np.testing.assert_array_equal(models.generate(dropping, PROMPTS[:, :5], 8, 6), _book(
+        book_gpt.generate_text_simple, twin, PROMPTS[:, :5], 8, 6))  # fmt: skip
+    assert _dropouts_deterministic(dropping) == [False] * 5
+
+
+def test_a_tiny_temperature_is_greedy_and_a_huge_one_draws_anew_each_step(pair):
+    """``logits / temperature``: at 1e-4 sampling is argmax (a multiplied temperature would draw
+    nearly uniformly); at 1e6 nearly uniform, and each step its own key (one key for every
+    step would draw the same token each time, its Gumbel noise being the same)."""
+    twin, model = pair
+    prompt = PROMPTS[:1, :5]
+    for window in (16, 6):  # the cached loop, then the cropped window
+        greedy = _book(book_gpt.generate, twin, prompt, 10, window)
+        cold = models.generate(model, prompt, 10, window, temperature=1e-4, key=jax.random.key(3))
+        np.testing.assert_array_equal(cold, greedy, err_msg=f"context_size {window}")
+        hot = np.asarray(models.generate(model, prompt, 10, window, temperature=1e6,
+                                         key=jax.random.key(3)))  # fmt: skip
+        distinct = len(set(hot[0, 5:].tolist()))
+        assert distinct >= 7, f"context_size {window}: {distinct} distinct tokens of 10 at 1e6"
+
+
 def test_greedy_choice_is_argmax_with_its_ties_nan_and_infinities():
     """generate's greedy pick (two plain reductions, faster on CPU than XLA's argmax) gives
     ``jnp.argmax``'s index: the first maximum, the first NaN of a row holding one."""
@@ -436,6 +498,50 @@ def test_evaluation_equals_the_books_and_leaves_train_mode(weights, batches):
     )
 
 
+def test_calc_loss_loader_averages_the_batches_it_has_and_reads_only_those(weights, batches):
+    """``num_batches`` above the loader's length averages what there is, as the book's
+    ``min(num_batches, len(data_loader))``; an endless loader gives ``num_batches`` of it."""
+    model, twin = _flax(weights), _twin().eval()
+    part = batches[:3]
+    with torch.no_grad():
+        expected = book_gpt.calc_loss_loader([tuple(map(torch.from_numpy, b)) for b in part],
+                                             twin, num_batches=5)  # fmt: skip
+    got = models.calc_loss_loader(part, model, num_batches=5)
+    assert abs(got - expected) <= TOL * max(1.0, expected), f"{got} != {expected}"
+    read = []
+
+    def endless():  # refuses to be drained: a list() of it raises instead of never returning
+        for batch in itertools.cycle(part):
+            if len(read) == 10:
+                raise AssertionError("calc_loss_loader drains the loader")
+            read.append(batch)
+            yield batch
+
+    got = models.calc_loss_loader(endless(), model, num_batches=2)
+    assert len(read) == 2, f"calc_loss_loader read {len(read)} batches for num_batches=2"
+    assert got == pytest.approx(models.calc_loss_loader(part[:2], model), rel=1e-6)
+    with pytest.raises(ValueError, match=r"num_batches \(0\) must be >= 1"):
+        models.calc_loss_loader(part, model, num_batches=0)
+    with pytest.raises(TypeError, match=r"num_batches \(2.0\) must be an int"):
+        models.calc_loss_loader(part, model, num_batches=2.0)
+
+
+def test_a_block_in_train_mode_with_its_branches_zeroed_is_the_identity(weights):
+    """Dropout 0.5 in train mode on each branch, before its shortcut is added: with the
+    attention's and the MLP's output projections zeroed, each block passes ``x`` through
+    unchanged, as in eval mode (a dropout after the add would zero and scale ``x``)."""
+    model = _flax(weights, {**CFG, "drop_rate": 0.5})
+    block = model.trf_blocks[0]
+    for linear in (block.att.out_proj, block.ff.layers[2]):
+        linear.kernel[...] = jnp.zeros_like(linear.kernel[...])
+        linear.bias[...] = jnp.zeros_like(linear.bias[...])
+    x = jax.random.normal(jax.random.key(0), (BATCH, TOKENS, CFG["emb_dim"]))
+    block.train()
+    np.testing.assert_array_equal(block(x), x)
+    block.eval()
+    np.testing.assert_array_equal(block(x), x)
+
+
 def test_dropout_trains_with_a_finite_loss_other_than_eval_mode(weights, batches):
     model = _flax(weights, {**CFG, "drop_rate": 0.1})
     optimizer = nnx.Optimizer(model, ADAMW, wrt=nnx.Param)
@@ -529,6 +635,13 @@ def test_wrong_causal_mask_buffer_changes_nothing(weights):
         ([[1, 2, 3]], {"temperature": 0.7}, ValueError, r"key \(None\) must be a jax\.random"),
         ([[1, 2], [3, 4]], {"eos_id": 5}, ValueError, r"eos_id \(5\) needs a batch of one row"),
         ([[1, 2, 3]], {"top_k": 2.0}, TypeError, r"top_k \(2\.0\) must be an int"),
+        (
+            [[1, 2, 3]],
+            {"temperature": 0.7, "key": 0},
+            TypeError,
+            r"key \(0: int\) must be a jax\.random\.key: pass key=jax\.random\.key\(seed\)",
+        ),
+        ([[1, 2, 3]], {"prompt_bucket": 0}, ValueError, r"prompt_bucket \(0\) must be >= 1"),
     ],
     ids=[
         "id_above_vocab",
@@ -539,6 +652,8 @@ def test_wrong_causal_mask_buffer_changes_nothing(weights):
         "no_key",
         "eos_batch",
         "top_k_float",
+        "int_key",
+        "prompt_bucket_0",
     ],
 )
 def test_bad_generate_arguments_are_refused_by_name(pair, idx, kwargs, error, named):

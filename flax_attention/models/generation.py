@@ -25,6 +25,15 @@ Batches: ``idx`` ``(b, t)``. Prompts of unequal length are left-padded to one le
 takes them: each row's positions count from its first token and no token attends to padding,
 so each row's tokens are the ones it would get alone.
 
+Compiles: ``generate`` is one XLA program per batch size, padded prompt length,
+``max_new_tokens``, ``context_size`` and sampling options. So that every new prompt length does
+not compile a new program (seconds for GPT-2 small), the prompt is left-padded with masked
+tokens to a multiple of ``prompt_bucket`` tokens (64 by default) as a left-padded batch is, and
+a prompt longer than ``context_size`` goes in as the last ``context_size`` tokens the book's
+loop reads (the rest only comes back in the result); the padding is never so long that it
+turns a cached step into a recomputed window. The tokens are the ones the unpadded prompt
+gets. ``prompt_bucket=1`` runs each length as it is.
+
 Generation runs in eval mode (dropout off, as the book's ``generate_and_print_sample`` calls
 ``model.eval()``) and puts the model's mode back afterwards; the decode caches it uses are
 dropped at the end.
@@ -45,7 +54,10 @@ from flax_attention._inputs import check_token_ids, check_zero_one
 from flax_attention.axes import DATA, mesh_axis_size, parameters_mesh, place
 from flax_attention.models.gpt import GPTModel
 
-__all__ = ["generate", "generate_text_simple"]
+__all__ = ["PROMPT_BUCKET", "generate", "generate_text_simple"]
+
+#: ``generate``'s default ``prompt_bucket``: prompts are left-padded to a multiple of 64 tokens.
+PROMPT_BUCKET = 64
 
 
 def generate_text_simple(model: GPTModel, idx, max_new_tokens: int, context_size: int):
@@ -65,6 +77,7 @@ def generate(
     *,
     key: jax.Array | None = None,
     attention_mask=None,
+    prompt_bucket: int = PROMPT_BUCKET,
 ) -> jax.Array:
     """The book's chapter 5 ``generate`` (module docstring), in one jit.
 
@@ -80,6 +93,9 @@ def generate(
         ``idx_next == eos_id`` test).
       key: a ``jax.random.key``, required when sampling.
       attention_mask: ``(b, t)`` 0/1, each row zeros (padding) then ones (its tokens).
+      prompt_bucket: the prompt is left-padded (with ``attention_mask``) to a multiple of this
+        many tokens, so prompts of nearby lengths share one compiled program (module
+        docstring, "Compiles"); 1 runs each length as it is.
 
     Returns:
       ``(b, t + n)`` int32: ``idx`` then the ``n <= max_new_tokens`` new tokens.
@@ -113,13 +129,24 @@ def generate(
                 f"eos_id ({eos_id}) needs a batch of one row (idx has {batch}): the book stops "
                 "the whole sequence when the next token is eos_id"
             )
+    _check_count("prompt_bucket", prompt_bucket, minimum=1)
     greedy = temperature == 0
     if not greedy and key is None:
         raise ValueError("key (None) must be a jax.random.key when sampling (temperature > 0)")
-    key = jax.random.key(0) if key is None else key
+    key = jax.random.key(0) if key is None else _check_key(key)
     mask = None if attention_mask is None else _check_mask(attention_mask, ids.shape)
     if max_new_tokens == 0:
         return jnp.asarray(ids)
+
+    # The book's first window is the prompt's last context_size tokens, and no later window
+    # reaches further back: the tokens before it only come back in the result.
+    crop = max(0, tokens - context_size)
+    head, ids = ids[:, :crop], ids[:, crop:]
+    mask = None if mask is None else mask[:, crop:]
+    length = _bucket_length(ids.shape[1], prompt_bucket, context_size - max_new_tokens + 1)
+    pad = length - ids.shape[1]
+    ids, mask = _bucket(ids, mask, pad)
+    tokens = length
 
     # Steps whose window is the whole sequence (tokens + step <= context_size) use the cache.
     cached_steps = min(max_new_tokens, max(0, context_size - tokens + 1))
@@ -156,7 +183,26 @@ def generate(
         model.clear_cache()
         for dropout, deterministic in zip(dropouts, modes):
             dropout.deterministic = deterministic
-    return out[:, : int(length)]
+    # Back to the caller's prompt: the bucket's padding off, the cropped head on.
+    out = out[:, pad : int(length)]
+    return jnp.concatenate([_on(head, rows), out], axis=1) if crop else out
+
+
+def _bucket_length(tokens: int, bucket: int, cached_room: int) -> int:
+    """The padded prompt's length: ``tokens`` rounded up to a multiple of ``bucket``, but no
+    further than where every step still fits the decode cache (``cached_room``: the longest
+    prompt whose ``max_new_tokens`` steps all fit ``context_size``), so padding never turns a
+    cached step into a recomputed window. Prompts longer than that keep their length."""
+    padded = -(-tokens // bucket) * bucket
+    return min(padded, max(tokens, cached_room))
+
+
+def _bucket(ids: np.ndarray, mask: np.ndarray | None, pad: int):
+    """``ids`` ``(b, t)`` and its mask left-padded by ``pad`` tokens (token 0, mask 0)."""
+    if pad == 0:
+        return ids, mask
+    mask = np.ones(ids.shape, np.int32) if mask is None else mask
+    return np.pad(ids, ((0, 0), (pad, 0))), np.pad(mask, ((0, 0), (pad, 0)))
 
 
 def _rows_sharding(model, batch: int, *, cached: bool):
@@ -188,6 +234,23 @@ def _check_count(name, value, *, minimum):
         raise TypeError(f"{name} ({value!r}) must be an int")
     if value < minimum:
         raise ValueError(f"{name} ({value}) must be >= {minimum}")
+
+
+def _check_key(key) -> jax.Array:
+    """One typed key (``jax.random.key(seed)``), or a legacy ``jax.random.PRNGKey(seed)``
+    (``uint32`` ``(2,)``) as one."""
+    if isinstance(key, jax.Array) and jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+        if key.shape != ():
+            raise ValueError(
+                f"key (shape {key.shape}) must be one key, shape () (key=jax.random.key(seed))"
+            )
+        return key
+    if isinstance(key, (jax.Array, np.ndarray)) and key.dtype == np.uint32 and key.shape == (2,):
+        return jax.random.wrap_key_data(key)
+    raise TypeError(
+        f"key ({key!r}: {type(key).__name__}) must be a jax.random.key: pass "
+        "key=jax.random.key(seed), e.g. key=jax.random.key(0)"
+    )
 
 
 def _check_idx(idx, vocab_size: int) -> np.ndarray:

@@ -26,7 +26,9 @@ Dropout draws from the model's own ``nnx.Rngs`` streams in train mode.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
+import numbers
 
 import jax.numpy as jnp
 import optax
@@ -71,15 +73,18 @@ def _eval_loss(model, input_batch, target_batch):
 
 def calc_loss_loader(batches, model, num_batches: int | None = None) -> float:
     """The mean of the first ``num_batches`` batches' losses (all if ``None``), as the book's
-    ``calc_loss_loader``; ``nan`` for no batches. Runs in the model's current mode."""
-    batches = list(batches)
-    if not batches:
-        return math.nan
-    count = len(batches) if num_batches is None else min(num_batches, len(batches))
-    total = 0.0
-    for input_batch, target_batch in batches[:count]:
+    ``calc_loss_loader``; ``nan`` for no batches. ``batches`` is read lazily, only as far as
+    ``num_batches`` (an endless iterator is fine with it). Runs in the model's current mode."""
+    if num_batches is not None:
+        if isinstance(num_batches, bool) or not isinstance(num_batches, numbers.Integral):
+            raise TypeError(f"num_batches ({num_batches!r}) must be an int or None")
+        if num_batches < 1:
+            raise ValueError(f"num_batches ({num_batches}) must be >= 1 (None: every batch)")
+    total, count = 0.0, 0
+    for input_batch, target_batch in itertools.islice(batches, num_batches):
         total += float(_eval_loss(model, input_batch, target_batch))
-    return total / count
+        count += 1
+    return total / count if count else math.nan
 
 
 def evaluate_model(model, train_batches, val_batches, eval_iter: int) -> tuple[float, float]:
