@@ -9,7 +9,7 @@ writing what it saw. Meanwhile this pytest computes the one-process reference (`
 one device), then compares (``compare``), so every figure is the example's own table
 (``docs/sharding.md`` shows it). The rest of the file checks the pieces without a launch:
 ``place``, ``global_batch``'s refusals, and the launcher's own behaviour (a failing or hanging
-process ends the run, the group is killed).
+process, process 0 included, ends the run and fails it, the group is killed).
 """
 
 from __future__ import annotations
@@ -293,6 +293,24 @@ def test_a_failing_process_ends_the_run_and_its_group_is_killed(tmp_path):
         assert not _alive(pid), "the failing run left a grandchild running"
 
 
+#: Process 0 exits 3 at once; process 1 would sleep 60 s (killed).
+FIRST_FAILS = (
+    "import os, sys, time\n"
+    "if os.environ['FLAX_ATTENTION_PROCESS_ID'] == '0': sys.exit(3)\n"
+    "time.sleep(60)\n"
+)
+
+
+def test_a_failure_of_process_0_fails_the_run(tmp_path):
+    """Process 0 is a process like the others: its failure ends the run in seconds (process 1
+    killed) and is reported as ``failed == 0``, not ``ok``."""
+    start = time.monotonic()
+    result = launcher.launch([sys.executable, "-c", FIRST_FAILS], 2, log_dir=tmp_path, timeout=20)
+    assert time.monotonic() - start < 15, result
+    assert not result.ok and not result.timed_out, result
+    assert result.failed == 0 and result.returncodes[0] == 3 and result.returncodes[1] < 0, result
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -314,7 +332,7 @@ def test_a_hanging_run_times_out_and_is_killed(tmp_path):
 
 def test_the_command_line_exits_with_the_failing_process_s_status(capsys):
     """``python -m flax_attention.launch``: the failing process's own status (the others are
-    killed), 124 on a timeout, 0 when every process succeeds."""
+    killed), process 0's as any other's, 124 on a timeout, 0 when every process succeeds."""
     fail = "import os, sys, time; sys.exit(5) if os.environ['FLAX_ATTENTION_PROCESS_ID'] == '1' "
     fail += "else time.sleep(60)"
     assert launcher.main(["--processes", "2", "--", sys.executable, "-c", fail]) == 5
@@ -323,6 +341,9 @@ def test_the_command_line_exits_with_the_failing_process_s_status(capsys):
     assert launcher.main(["--processes", "2", "--timeout", "1", "--", *sleep]) == 124
     assert "timed out after 1 s; every process was killed" in capsys.readouterr().err
     assert launcher.main(["--processes", "2", "--", sys.executable, "-c", "pass"]) == 0
+    first = ["--processes", "2", "--timeout", "20", "--", sys.executable, "-c", FIRST_FAILS]
+    assert launcher.main(first) == 3
+    assert "process 0 exited with 3; the others were killed" in capsys.readouterr().err
 
 
 def test_initialize_names_a_variable_that_is_not_a_number(monkeypatch):
