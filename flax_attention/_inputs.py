@@ -21,6 +21,7 @@ from flax_attention._checks import (
     check_rank,
     check_same,
 )
+from flax_attention.axes import fetch
 
 __all__ = [
     "check_annotated_inputs",
@@ -115,8 +116,20 @@ def check_zero_one(mask: np.ndarray) -> None:
 
 
 def check_model_inputs(in_idx, attention_mask, vocab_size: int) -> None:
-    """Outside ``jit`` (concrete arrays) the ids and the mask; traced values go unchecked."""
-    if not isinstance(in_idx, jax.core.Tracer):
-        check_token_ids("in_idx", np.asarray(in_idx), vocab_size)
-    if attention_mask is not None and not isinstance(attention_mask, jax.core.Tracer):
-        check_zero_one(np.asarray(attention_mask))
+    """Outside ``jit`` (concrete arrays) the ids and the mask; traced values go unchecked.
+
+    An array spread over several JAX processes (a batch from ``global_batch``) is read whole in
+    every process (``fetch``: one compiled copy, run by every process as each calls the model),
+    so each process checks the same values and raises the same error, before any collective of
+    the forward pass that the others would wait on."""
+    named = {"in_idx": in_idx, "attention_mask": attention_mask}
+    concrete = {
+        name: value
+        for name, value in named.items()
+        if value is not None and not isinstance(value, jax.core.Tracer)
+    }
+    values = dict(zip(concrete, fetch(concrete.values()), strict=True))
+    if "in_idx" in values:
+        check_token_ids("in_idx", values["in_idx"], vocab_size)
+    if "attention_mask" in values:
+        check_zero_one(values["attention_mask"])

@@ -2,11 +2,14 @@
 processes of 2 CPU devices each (gloo collectives on localhost), equal to one process.
 
 One launch (``flax_attention.launch``, through the ``launch_processes`` fixture) runs
-``examples/multiprocess.py run`` in 2 processes; meanwhile this pytest computes the one-process
-reference (``reference``: one device), then compares (``compare``), so every figure is the
-example's own table (``docs/sharding.md`` shows it). The rest of the file checks the pieces
-without a launch: ``place``, ``global_batch``'s refusals, and the launcher's own behaviour
-(a failing or hanging process ends the run, the group is killed).
+``multiprocess_checks.py`` in 2 processes: ``examples/multiprocess.py run``, then that file's
+checks of what only a mesh over processes exercises (``place`` of an array already spread,
+``global_batch`` without ``batch_size``, ``GPTModel`` called outside ``jit``), each process
+writing what it saw. Meanwhile this pytest computes the one-process reference (``reference``:
+one device), then compares (``compare``), so every figure is the example's own table
+(``docs/sharding.md`` shows it). The rest of the file checks the pieces without a launch:
+``place``, ``global_batch``'s refusals, and the launcher's own behaviour (a failing or hanging
+process, process 0 included, ends the run and fails it, the group is killed).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from flax_attention.sharding import check_data_over_processes, global_batch
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 EXAMPLE = runpy.run_path(str(ROOT / "examples" / "multiprocess.py"))
+CHECKS = "conformance_tests/tests/multiprocess_checks.py"  # run, then checks, in each process
 
 #: The example's table: case -> exact (bit for bit) or within 1e-5 * max(1, scale).
 CASES = {}
@@ -58,15 +62,16 @@ CASES.update({"orbax 1 process -> 2": True, "orbax 2 processes -> 1": True})
 
 @pytest.fixture(scope="module")
 def two_processes(once_per_run, launch_processes):
-    """The example's three steps: the files and the reference here (one device), ``run`` as 2
-    processes x 2 CPU devices (launched once the files exist, while the reference is computed),
-    the comparison here (written as ``table.json``). Once per test run (``once_per_run``: under
-    ``-n 2`` the other worker reads the same files). Returns the table and what process 0
-    wrote."""
+    """The example's three steps: the files and the reference here (one device), ``run`` and
+    then ``multiprocess_checks.py``'s checks as 2 processes x 2 CPU devices (launched once the
+    files exist, while the reference is computed), the comparison here (written as
+    ``table.json``). Once per test run (``once_per_run``: under ``-n 2`` the other worker reads
+    the same files). Returns the table, what process 0 wrote and what each process's checks
+    saw (``[process 0's, process 1's]``)."""
 
     def three_steps(out):
         EXAMPLE["prepare"](out)
-        command = [sys.executable, "examples/multiprocess.py", "run", str(out)]
+        command = [sys.executable, CHECKS, str(out)]
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             running = pool.submit(launch_processes, command, out, 2, 2, 300)
             EXAMPLE["reference"](out)
@@ -74,11 +79,12 @@ def two_processes(once_per_run, launch_processes):
         (out / "table.json").write_text(json.dumps(EXAMPLE["compare"](out)))
 
     out = once_per_run("multiprocess", three_steps)
-    return json.loads((out / "table.json").read_text()), dict(np.load(out / "run.npz"))
+    checks = [json.loads((out / f"checks_{i}.json").read_text()) for i in range(2)]
+    return json.loads((out / "table.json").read_text()), dict(np.load(out / "run.npz")), checks
 
 
 def test_the_run_spanned_two_processes_of_two_devices(two_processes):
-    table, run = two_processes
+    table, run, _ = two_processes
     assert run["devices"].tolist() == [2, 4]
     assert str(run["collectives"]) == "gloo"  # jax 0.10's CPU collectives between processes
     assert list(table) == list(CASES)
@@ -99,14 +105,14 @@ def test_a_model_placed_across_processes_holds_half_its_split_weights_per_proces
     """On the mesh whose ``model`` axis spans the processes, each process holds half the bytes
     of every model-parallel weight, whichever way the checkpoint came in, and reads half of a
     weight it places split over ``model``."""
-    table, run = two_processes
+    table, run, _ = two_processes
     for way in EXAMPLE["LOAD_WAYS"]:
         assert table[f"load[{way}] on model-across-processes"]["held_fraction"] == 0.5, way
     assert float(run["read fraction"]) == 0.5  # place reads only this process's slices
 
 
 def test_what_a_process_gets_wrong_is_refused_naming_the_numbers(two_processes):
-    _, run = two_processes
+    _, run, _ = two_processes
     assert str(run["refused[local batch]"]) == (
         "local.shape[0] (3) must be this process's share of the batch (2): batch_size 4 over "
         "the data axis (2), 1 slice(s) here"
@@ -118,6 +124,54 @@ def test_what_a_process_gets_wrong_is_refused_naming_the_numbers(two_processes):
     for name in ("local batch", "shard on own devices"):
         message = str(run[f"refused[{name}]"])
         assert any(t.match(message) for t in listed), f"{message!r} is not in docs/errors.md"
+
+
+def _checks_saw(two_processes, check: str) -> list[dict]:
+    """What ``multiprocess_checks.py``'s ``check`` saw, in process 0 and in process 1; fails
+    with the error a check raised."""
+    seen = [checks[check] for checks in two_processes[2]]
+    for process, got in enumerate(seen):
+        assert "raised" not in got, f"process {process}: {got['raised']}"
+    return seen
+
+
+def test_place_moves_an_array_spread_over_processes_to_another_layout(two_processes):
+    """``place`` of a ``jax.Array`` split over ``data`` across the processes, asked for
+    columns over ``model`` and for replicated: the new layout each time, the same values."""
+    for got in _checks_saw(two_processes, "place moves a spread array"):
+        assert got == {
+            "spread": True,
+            "columns": {"as asked": True, "equal": True},
+            "replicated": {"as asked": True, "equal": True},
+        }, got
+
+
+def test_global_batch_without_batch_size_assembles_each_process_s_rows(two_processes):
+    """``global_batch(local, mesh)``: each process's rows (of its ``data`` slices) make the
+    global ``(8, 3)`` batch, split over ``data``: one slice per process (``data`` 2 across the
+    processes), two per process (``data`` 4), the same two in both (``data`` inside each)."""
+    rows = {"data 2 x model 2": 4, "data 4": 4, "model 2 x data 2": 8}
+    for got in _checks_saw(two_processes, "global_batch without batch_size"):
+        want = {
+            mesh: {"local rows": n, "shape": [8, 3], "over data": True, "equal": True}
+            for mesh, n in rows.items()
+        }
+        assert got == want, got
+
+
+def test_gpt_called_outside_jit_on_a_batch_over_processes_equals_one_device(two_processes):
+    """Eagerly (no ``jit``) on token ids and a padding mask spread over both processes, the
+    sharded model's logits equal one device's within ``1e-5 * max(1, scale)``; an id out of
+    range, or a mask value of 2, in process 0's rows only is refused in both processes with
+    the one-process message (the check reads the whole batch in each)."""
+    for got in _checks_saw(two_processes, "gpt outside jit on a spread batch"):
+        assert got["ids spread"] and got["logits spread"], got
+        for name in ("logits", "masked"):
+            row = got[name]
+            assert row["shape"] == [4, 8, EXAMPLE["CFG"]["vocab_size"]], (name, row)
+            assert row["max_abs_err"] <= 1e-5 * max(1.0, row["scale"]), (name, row)
+        assert got["refused ids"] == "in_idx (ids 2..64) must lie in 0..63 (vocab_size)"
+        assert got["refused mask"] == "attention_mask (values [0, 1, 2]) must hold only 0 and 1"
 
 
 # ---- without a launch -------------------------------------------------------------------------
@@ -239,6 +293,24 @@ def test_a_failing_process_ends_the_run_and_its_group_is_killed(tmp_path):
         assert not _alive(pid), "the failing run left a grandchild running"
 
 
+#: Process 0 exits 3 at once; process 1 would sleep 60 s (killed).
+FIRST_FAILS = (
+    "import os, sys, time\n"
+    "if os.environ['FLAX_ATTENTION_PROCESS_ID'] == '0': sys.exit(3)\n"
+    "time.sleep(60)\n"
+)
+
+
+def test_a_failure_of_process_0_fails_the_run(tmp_path):
+    """Process 0 is a process like the others: its failure ends the run in seconds (process 1
+    killed) and is reported as ``failed == 0``, not ``ok``."""
+    start = time.monotonic()
+    result = launcher.launch([sys.executable, "-c", FIRST_FAILS], 2, log_dir=tmp_path, timeout=20)
+    assert time.monotonic() - start < 15, result
+    assert not result.ok and not result.timed_out, result
+    assert result.failed == 0 and result.returncodes[0] == 3 and result.returncodes[1] < 0, result
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -260,7 +332,7 @@ def test_a_hanging_run_times_out_and_is_killed(tmp_path):
 
 def test_the_command_line_exits_with_the_failing_process_s_status(capsys):
     """``python -m flax_attention.launch``: the failing process's own status (the others are
-    killed), 124 on a timeout, 0 when every process succeeds."""
+    killed), process 0's as any other's, 124 on a timeout, 0 when every process succeeds."""
     fail = "import os, sys, time; sys.exit(5) if os.environ['FLAX_ATTENTION_PROCESS_ID'] == '1' "
     fail += "else time.sleep(60)"
     assert launcher.main(["--processes", "2", "--", sys.executable, "-c", fail]) == 5
@@ -269,6 +341,9 @@ def test_the_command_line_exits_with_the_failing_process_s_status(capsys):
     assert launcher.main(["--processes", "2", "--timeout", "1", "--", *sleep]) == 124
     assert "timed out after 1 s; every process was killed" in capsys.readouterr().err
     assert launcher.main(["--processes", "2", "--", sys.executable, "-c", "pass"]) == 0
+    first = ["--processes", "2", "--timeout", "20", "--", sys.executable, "-c", FIRST_FAILS]
+    assert launcher.main(first) == 3
+    assert "process 0 exited with 3; the others were killed" in capsys.readouterr().err
 
 
 def test_initialize_names_a_variable_that_is_not_a_number(monkeypatch):
