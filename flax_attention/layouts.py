@@ -137,6 +137,7 @@ LAYOUTS: dict[str, Layout] = {
             "MultiHeadAttention",
             "MultiHeadedAttention",
             "GPTModel",
+            "EncoderDecoder",
         ),
         buffers=(Buffer("mask", "triu", export=True),),
     ),

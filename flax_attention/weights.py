@@ -47,6 +47,16 @@ class IncompatibleKeys(NamedTuple):
     mismatched_keys: list[str]
 
 
+class CheckedBuffer(nnx.Variable):
+    """A buffer a torch module carries in its ``state_dict`` whose exact value a peer may hold
+    to its own rounding (the Annotated Transformer's positional table ``pe``): not a parameter
+    (no ``nnx.Param`` filter trains it), loaded and exported as it is, after ``check(value)``
+    (a NumPy array of the right shape -> a problem's text, or ``None``) passes."""
+
+    def __init__(self, value, *, check, **metadata):
+        super().__init__(value, check=check, **metadata)
+
+
 class _Entry(NamedTuple):
     variable: nnx.Variable | None  # None for a buffer
     transpose: bool
@@ -58,7 +68,7 @@ def _torch_entries(module: nnx.Module) -> dict[str, _Entry]:
     entries: dict[str, _Entry] = {}
     for path, node in nnx.iter_graph(module):
         name = ".".join(str(part) for part in path)
-        if isinstance(node, nnx.Param):
+        if isinstance(node, (nnx.Param, CheckedBuffer)):
             if path[-1] == "kernel":
                 entries[name.removesuffix("kernel") + "weight"] = _Entry(node, True, None)
             elif path[-1] == "embedding":  # nnx.Embed: torch's nn.Embedding weight as it is
@@ -165,6 +175,8 @@ def _targets(module: nnx.Module, spec: Layout, given=()) -> dict[str, _Target]:
                 targets[name] = _Target(parts=(_Part(entry, _torch_shape(entry), name),))
         for alias, of in names.aliases if names is not None else ():
             targets[alias] = targets[of]._replace(alias=of)
+        for own, peer, _ in names.params if names is not None else ():  # the model's own names
+            targets[peer] = targets.pop(own)
         return targets
     if names is not None:
         return _model_targets(module, spec, names, entries, given)
@@ -327,6 +339,9 @@ def _check_value(name, target: _Target, value: np.ndarray) -> str | None:
         return f"{name}: holds NaN or inf ({_describe(value)})"
     if target.expected is not None and not np.array_equal(value, target.expected):
         return f"{name}: differs from {_buffer_rule(target)}, the causal mask of context_length"
+    variable = target.parts[0].entry.variable if len(target.parts) == 1 else None
+    if isinstance(variable, CheckedBuffer) and variable.get_metadata()["check"](value):
+        return f"{name}: {variable.get_metadata()['check'](value)}"
     return None
 
 

@@ -1,0 +1,629 @@
+"""The Annotated Transformer's whole model in Flax NNX, on ``flax_attention.MultiHeadedAttention``.
+
+"The Annotated Transformer" (harvardnlp; `code
+<https://github.com/harvardnlp/annotated-transformer>`_, ``the_annotated_transformer.py``) builds
+the encoder-decoder of "Attention Is All You Need" around its ``MultiHeadedAttention``. Each of
+its modules is mirrored here with the post's attribute names, so the post's torch ``state_dict``
+loads as it is (``flax_attention.load_state_dict``):
+
+===============================================  ==============================================
+the post (torch)                                 here
+===============================================  ==============================================
+``EncoderDecoder(encoder, decoder, src_embed,    ``EncoderDecoder``: the same five attributes;
+tgt_embed, generator)``                          ``__call__`` (the post's ``forward``),
+                                                 ``encode``, ``decode``
+``Generator(d_model, vocab)``                    ``Generator``: ``proj``, log-softmax
+``Encoder(layer, N)``, ``Decoder(layer, N)``     ``Encoder``, ``Decoder``: ``layers``, ``norm``
+``EncoderLayer``, ``DecoderLayer``               the same: ``self_attn``, (``src_attn``),
+                                                 ``feed_forward``, ``sublayer``
+``SublayerConnection(size, dropout)``            ``SublayerConnection``: ``x + dropout(sublayer(
+                                                 norm(x)))``, the norm first
+``LayerNorm(features, eps=1e-6)``                ``LayerNorm``: ``a_2 * (x - mean) / (std +
+                                                 eps) + b_2``, torch's unbiased ``std``
+``PositionwiseFeedForward(d_model, d_ff)``       ``PositionwiseFeedForward``: ``w_1``, ReLU,
+                                                 dropout, ``w_2``
+``Embeddings(d_model, vocab)``                   ``Embeddings``: ``lut``, times
+                                                 ``sqrt(d_model)``
+``PositionalEncoding(d_model, dropout,           ``PositionalEncoding``: the ``pe`` buffer
+max_len=5000)``                                  ``(1, max_len, d_model)``, dropout
+``MultiHeadedAttention(h, d_model)``             ``flax_attention.MultiHeadedAttention``; the
+                                                 post's ``linears`` are its ``proj_weights``
+                                                 (the state dict says ``linears``)
+``make_model(src_vocab, tgt_vocab, N, d_model,   ``make_model``: the same, Glorot-uniform for
+d_ff, h, dropout)``                              every parameter of rank > 1
+``subsequent_mask``, ``Batch``, ``data_gen``,    the same names (NumPy masks and batches)
+``LabelSmoothing``, ``rate``, ``greedy_decode``
+===============================================  ==============================================
+
+The post's quirks are its spec: ``make_model`` builds its attention as
+``MultiHeadedAttention(h, d_model)``, so every attention's dropout is that layer's default 0.1
+whatever ``dropout`` says (``attention_dropout`` sets it; its default is the post's 0.1);
+``LayerNorm`` adds ``eps`` to the unbiased standard deviation, not to the variance.
+
+Shape legend: ``b`` batch, ``s`` source tokens, ``t`` target tokens, ``d`` = ``d_model``,
+``V`` a vocabulary.
+
+Masks as the post makes them: ``src_mask`` ``(b, 1, s)`` (``src != pad``), ``tgt_mask``
+``(b, t, t)`` (``tgt != pad`` and ``subsequent_mask``); ``0``/``False`` hides a key.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import numbers
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from flax_attention._checks import check_dropout, check_positive_int
+from flax_attention._init import linear_factory
+from flax_attention.annotated import MultiHeadedAttention, ProjectedKV
+from flax_attention.axes import FROM_HEADS, TO_HEADS, LinearAxes
+from flax_attention.core import Implementation
+from flax_attention.layouts import ModelNames
+from flax_attention.weights import CheckedBuffer
+
+__all__ = [
+    "Batch",
+    "Decoder",
+    "DecoderLayer",
+    "Embeddings",
+    "Encoder",
+    "EncoderDecoder",
+    "EncoderLayer",
+    "Generator",
+    "LabelSmoothing",
+    "LayerNorm",
+    "PositionalEncoding",
+    "PositionwiseFeedForward",
+    "SublayerConnection",
+    "data_gen",
+    "greedy_decode",
+    "make_model",
+    "rate",
+    "rate_schedule",
+    "subsequent_mask",
+    "train_step",
+]
+
+_REPLICATED = LinearAxes(kernel=(None, None), bias=(None,))
+
+
+class LayerNorm(nnx.Module):
+    """The post's ``LayerNorm``: ``a_2 * (x - mean) / (std + eps) + b_2`` over the last axis,
+    ``std`` unbiased (torch's ``x.std(-1)``), ``eps = 1e-6`` added to it; computed in at least
+    float32, cast back."""
+
+    def __init__(self, features: int, eps: float = 1e-6, *, dtype=None, param_dtype=jnp.float32):
+        self.eps = eps
+        self.dtype = dtype
+        self.a_2 = nnx.Param(jnp.ones((features,), param_dtype))
+        self.b_2 = nnx.Param(jnp.zeros((features,), param_dtype))
+
+    def __call__(self, x):
+        dtype = self.dtype or jnp.result_type(x, self.a_2[...])
+        x32 = x.astype(jnp.promote_types(dtype, jnp.float32))
+        mean = x32.mean(axis=-1, keepdims=True)  # (..., 1)
+        centered = x32 - mean  # (..., d)
+        std = jnp.sqrt((centered * centered).sum(axis=-1, keepdims=True) / (x.shape[-1] - 1))
+        lead = (1,) * (x.ndim - 1)  # explicit broadcasts: rank promotion may raise
+        a_2 = self.a_2[...].astype(x32.dtype).reshape(*lead, -1)  # (..., d)
+        b_2 = self.b_2[...].astype(x32.dtype).reshape(*lead, -1)
+        return (a_2 * centered / (std + self.eps) + b_2).astype(dtype)
+
+
+class SublayerConnection(nnx.Module):
+    """``x + dropout(sublayer(norm(x)))``: the post's residual, its norm first."""
+
+    def __init__(self, size: int, dropout: float, *, dtype=None, param_dtype=jnp.float32, rngs):
+        self.norm = LayerNorm(size, dtype=dtype, param_dtype=param_dtype)
+        self.dropout = nnx.Dropout(dropout, rngs=rngs)
+
+    def __call__(self, x, sublayer):
+        return x + self.dropout(sublayer(self.norm(x)))
+
+
+class PositionwiseFeedForward(nnx.Module):
+    """``w_2(dropout(relu(w_1(x))))``; on a mesh ``w_1`` splits its outputs over ``model``."""
+
+    def __init__(self, d_model: int, d_ff: int, dropout: float = 0.1, *, linear, rngs):
+        self.w_1 = linear(d_model, d_ff, axes=TO_HEADS)
+        self.w_2 = linear(d_ff, d_model, axes=FROM_HEADS)
+        self.dropout = nnx.Dropout(dropout, rngs=rngs)
+
+    def model_axis_sizes(self) -> dict[str, int]:
+        """What ``flax_attention.shard`` splits over ``model``: the hidden features."""
+        return {"d_ff": self.w_1.out_features}
+
+    def __call__(self, x):
+        return self.w_2(self.dropout(jax.nn.relu(self.w_1(x))))  # (b, t, d)
+
+
+class Embeddings(nnx.Module):
+    """``lut(x) * sqrt(d_model)``."""
+
+    def __init__(self, d_model: int, vocab: int, *, dtype=None, param_dtype=jnp.float32, rngs):
+        self.lut = nnx.Embed(vocab, d_model, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.d_model = d_model
+
+    def __call__(self, x):
+        return self.lut(x) * math.sqrt(self.d_model)  # (b, t, d)
+
+
+def positional_encoding(d_model: int, max_len: int) -> np.ndarray:
+    """The post's sinusoids ``(1, max_len, d_model)`` in float32: ``sin`` on the even features,
+    ``cos`` on the odd, of ``position * exp(-(2i) log(10000) / d_model)``."""
+    position = np.arange(max_len, dtype=np.float32)[:, None]  # (max_len, 1)
+    div_term = np.exp(np.arange(0, d_model, 2, dtype=np.float32) * np.float32(
+        -(math.log(10000.0) / d_model)))  # fmt: skip
+    pe = np.zeros((max_len, d_model), np.float32)
+    pe[:, 0::2] = np.sin(position * div_term)
+    pe[:, 1::2] = np.cos(position * div_term)[:, : d_model // 2]
+    return pe[None]
+
+
+def _check_pe(value: np.ndarray) -> str | None:
+    """A loaded ``pe`` must be the post's sinusoids (to float32 rounding of ``sin``/``cos``)."""
+    expected = positional_encoding(value.shape[-1], value.shape[-2])
+    worst = float(np.abs(np.asarray(value, np.float64) - expected).max())
+    if worst > 1e-4:
+        return f"differs from the sinusoidal positional encoding by up to {worst:.3g}"
+    return None
+
+
+class PositionalEncoding(nnx.Module):
+    """``dropout(x + pe[:, :t])``; ``pe`` ``(1, max_len, d_model)`` the post's buffer (loaded
+    and exported with a state dict, checked against the sinusoids when loaded)."""
+
+    def __init__(self, d_model: int, dropout: float, max_len: int = 5000, *, rngs):
+        self.dropout = nnx.Dropout(dropout, rngs=rngs)
+        self.pe = CheckedBuffer(jnp.asarray(positional_encoding(d_model, max_len)), check=_check_pe)
+
+    def __call__(self, x):
+        if x.shape[1] > self.pe.shape[1]:
+            raise ValueError(
+                f"tokens ({x.shape[1]}) must not exceed the positional table's max_len "
+                f"({self.pe.shape[1]})"
+            )
+        return self.dropout(x + self.pe[:, : x.shape[1]].astype(x.dtype))  # (b, t, d)
+
+    def at(self, x, position):
+        """``x`` ``(b, 1, d)`` at one ``position`` (a traced int): a decode step."""
+        pe = jax.lax.dynamic_slice_in_dim(self.pe[...], position, 1, axis=1)  # (1, 1, d)
+        return self.dropout(x + pe.astype(x.dtype))
+
+
+class Generator(nnx.Module):
+    """``log_softmax(proj(x))``: log-probabilities ``(..., V)``."""
+
+    def __init__(self, d_model: int, vocab: int, *, linear):
+        self.proj = linear(d_model, vocab, axes=_REPLICATED)
+
+    def __call__(self, x):
+        return jax.nn.log_softmax(self.proj(x).astype(jnp.float32), axis=-1).astype(x.dtype)
+
+
+class EncoderLayer(nnx.Module):
+    """``self_attn`` then ``feed_forward``, each in a ``SublayerConnection``."""
+
+    def __init__(self, size: int, self_attn, feed_forward, dropout: float, *, norm, rngs):
+        self.self_attn = self_attn
+        self.feed_forward = feed_forward
+        self.sublayer = nnx.List([SublayerConnection(size, dropout, **norm, rngs=rngs)
+                                  for _ in range(2)])  # fmt: skip
+        self.size = size
+
+    def __call__(self, x, mask):
+        x = self.sublayer[0](x, lambda x: self.self_attn(x, x, x, mask))
+        return self.sublayer[1](x, self.feed_forward)
+
+
+class DecoderLayer(nnx.Module):
+    """``self_attn``, ``src_attn`` (on the encoder's ``memory``), ``feed_forward``."""
+
+    def __init__(self, size: int, self_attn, src_attn, feed_forward, dropout, *, norm, rngs):
+        self.size = size
+        self.self_attn = self_attn
+        self.src_attn = src_attn
+        self.feed_forward = feed_forward
+        self.sublayer = nnx.List([SublayerConnection(size, dropout, **norm, rngs=rngs)
+                                  for _ in range(3)])  # fmt: skip
+
+    def __call__(self, x, memory, src_mask, tgt_mask):
+        m = memory
+        x = self.sublayer[0](x, lambda x: self.self_attn(x, x, x, tgt_mask))
+        x = self.sublayer[1](x, lambda x: self.src_attn(x, m, m, src_mask))
+        return self.sublayer[2](x, self.feed_forward)
+
+    def step(self, x, kv_self: ProjectedKV, self_mask, kv_memory: ProjectedKV, src_mask):
+        """One decode step, ``x`` ``(b, 1, d)``: the self-attention reads ``kv_self`` (the
+        cache, every step so far written) and the source attention ``kv_memory`` (the memory,
+        projected once)."""
+        x = self.sublayer[0](x, lambda x: self.self_attn(x, mask=self_mask, kv=kv_self))
+        x = self.sublayer[1](x, lambda x: self.src_attn(x, mask=src_mask, kv=kv_memory))
+        return self.sublayer[2](x, self.feed_forward)
+
+
+class Encoder(nnx.Module):
+    """``N`` layers, then ``norm``."""
+
+    def __init__(self, layers: list, size: int, *, norm):
+        self.layers = nnx.List(layers)
+        self.norm = LayerNorm(size, **norm)
+
+    def __call__(self, x, mask):
+        for layer in self.layers:
+            x = layer(x, mask)
+        return self.norm(x)
+
+
+class Decoder(nnx.Module):
+    """``N`` layers, then ``norm``."""
+
+    def __init__(self, layers: list, size: int, *, norm):
+        self.layers = nnx.List(layers)
+        self.norm = LayerNorm(size, **norm)
+
+    def __call__(self, x, memory, src_mask, tgt_mask):
+        for layer in self.layers:
+            x = layer(x, memory, src_mask, tgt_mask)
+        return self.norm(x)
+
+
+class EncoderDecoder(nnx.Module):
+    """The post's ``EncoderDecoder``: ``model(src, tgt, src_mask, tgt_mask)`` is the decoder's
+    output ``(b, t, d)`` (log-probabilities: ``model.generator`` of it)."""
+
+    def __init__(self, encoder, decoder, src_embed, tgt_embed, generator):
+        self.encoder = encoder
+        self.decoder = decoder
+        self.src_embed = src_embed
+        self.tgt_embed = tgt_embed
+        self.generator = generator
+
+    def __call__(self, src, tgt, src_mask, tgt_mask):
+        """Take in and process masked src and target sequences."""
+        return self.decode(self.encode(src, src_mask), src_mask, tgt, tgt_mask)
+
+    def encode(self, src, src_mask):
+        """``src`` ``(b, s)`` ids, ``src_mask`` ``(b, 1, s)`` -> ``memory`` ``(b, s, d)``."""
+        src_mask = _check_mask("src_mask", src_mask, src, src.shape[1] if _ndim(src) == 2 else 0)
+        return self.encoder(_embed(self.src_embed, "src", src), src_mask)
+
+    def decode(self, memory, src_mask, tgt, tgt_mask):
+        """``tgt`` ``(b, t)`` ids and ``tgt_mask`` ``(b, t, t)`` on ``memory`` ``(b, s, d)``
+        -> ``(b, t, d)``."""
+        src_mask = _check_mask("src_mask", src_mask, memory, memory.shape[1])
+        tgt_mask = _check_mask("tgt_mask", tgt_mask, tgt, tgt.shape[1] if _ndim(tgt) == 2 else 0)
+        return self.decoder(_embed(self.tgt_embed, "tgt", tgt), memory, src_mask, tgt_mask)
+
+    def model_axis_sizes(self) -> dict[str, int]:
+        """Nothing of the model itself splits over ``model`` (its layers say what they split)."""
+        return {}
+
+    def peer_names(self, layout: str) -> ModelNames:
+        """The post's names: its attention layers' ``linears`` (ours: ``proj_weights``)."""
+        if layout != "documents":
+            raise ValueError(f"layout ({layout!r}) must be 'documents' for an EncoderDecoder")
+        params = []
+        for stack, attentions in ((self.encoder, ("self_attn",)),
+                                  (self.decoder, ("self_attn", "src_attn"))):  # fmt: skip
+            name = "encoder" if stack is self.encoder else "decoder"
+            for i in range(len(stack.layers)):
+                for attention in attentions:
+                    own = f"{name}.layers.{i}.{attention}."
+                    for j in range(4):
+                        for kind in ("weight", "bias"):
+                            params.append((f"{own}proj_weights.{j}.{kind}",
+                                           f"{own}linears.{j}.{kind}", False))  # fmt: skip
+        return ModelNames(params=tuple(params))
+
+
+def _ndim(x) -> int:
+    return len(np.shape(x))
+
+
+def _embed(embed, name: str, ids):
+    """``ids`` ``(b, t)`` integers below the embedding's vocabulary, through ``embed``."""
+    if _ndim(ids) != 2:
+        raise ValueError(f"{name}.ndim ({_ndim(ids)}, shape {np.shape(ids)}) must be 2 (b, tokens)")
+    if not jnp.issubdtype(jnp.asarray(ids).dtype, jnp.integer):
+        raise TypeError(f"{name} (dtype {jnp.asarray(ids).dtype}) must hold integer token ids")
+    vocab = embed[0].lut.num_embeddings
+    if not isinstance(ids, jax.core.Tracer) and np.asarray(ids).size:
+        low, high = int(np.min(ids)), int(np.max(ids))
+        if low < 0 or high >= vocab:
+            raise ValueError(
+                f"{name} (ids {low}..{high}) must lie in 0..{vocab - 1} (vocab {vocab})"
+            )
+    return embed[1](embed[0](ids))
+
+
+def _check_mask(name: str, mask, x, keys: int):
+    """``mask`` must broadcast to ``(b, q, keys)`` over the batch of ``x`` (3-D)."""
+    shape = np.shape(mask)
+    batch = np.shape(x)[0]
+    if len(shape) != 3 or shape[0] not in (1, batch) or shape[2] != keys:
+        raise ValueError(
+            f"{name}.shape ({shape}) must broadcast to (batch {batch}, q, {keys} keys): "
+            f"(b or 1, 1 or q, {keys})"
+        )
+    return mask
+
+
+def make_model(
+    src_vocab: int,
+    tgt_vocab: int,
+    N: int = 6,
+    d_model: int = 512,
+    d_ff: int = 2048,
+    h: int = 8,
+    dropout: float = 0.1,
+    *,
+    rngs: nnx.Rngs,
+    attention_dropout: float = 0.1,
+    max_len: int = 5000,
+    dtype=None,
+    param_dtype=jnp.float32,
+    precision=None,
+    implementation: Implementation | None = None,
+) -> EncoderDecoder:
+    """The post's ``make_model``: ``N`` encoder and decoder layers, initialised as the post
+    does (Glorot/Xavier uniform for every parameter of rank > 1, torch's defaults for the
+    rest). ``attention_dropout``: every attention's dropout (the post's layers keep their
+    default 0.1, whatever ``dropout`` is). ``implementation``: the attention core's
+    (``None``: the fastest for each call; the layers keep no attention weights)."""
+    sizes = {"src_vocab": src_vocab, "tgt_vocab": tgt_vocab, "N": N, "d_model": d_model,
+             "d_ff": d_ff, "h": h, "max_len": max_len}  # fmt: skip
+    for name, value in sizes.items():
+        check_positive_int(name, value)
+    check_dropout(dropout)
+    check_dropout(attention_dropout)
+    linear = linear_factory(dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs)
+    norm = {"dtype": dtype, "param_dtype": param_dtype}
+    attn = functools.partial(
+        MultiHeadedAttention,
+        h,
+        d_model,
+        attention_dropout,
+        implementation=implementation,
+        keep_attention_score=False,
+        dtype=dtype,
+        param_dtype=param_dtype,
+        precision=precision,
+        rngs=rngs,
+    )
+
+    def ff():
+        return PositionwiseFeedForward(d_model, d_ff, dropout, linear=linear, rngs=rngs)
+
+    def embed(vocab):
+        return nnx.List([Embeddings(d_model, vocab, **norm, rngs=rngs),
+                         PositionalEncoding(d_model, dropout, max_len, rngs=rngs)])  # fmt: skip
+
+    layer = functools.partial(EncoderLayer, norm=norm, rngs=rngs)
+    encoder = Encoder([layer(d_model, attn(), ff(), dropout) for _ in range(N)], d_model, norm=norm)
+    layer = functools.partial(DecoderLayer, norm=norm, rngs=rngs)
+    decoder = Decoder([layer(d_model, attn(), attn(), ff(), dropout) for _ in range(N)], d_model,
+                      norm=norm)  # fmt: skip
+    model = EncoderDecoder(encoder, decoder, embed(src_vocab), embed(tgt_vocab),
+                           Generator(d_model, tgt_vocab, linear=linear))  # fmt: skip
+    # "This was important from their code. Initialize parameters with Glorot / fan_avg."
+    glorot = jax.nn.initializers.glorot_uniform()
+    for _, param in nnx.iter_graph(model):
+        if isinstance(param, nnx.Param) and param.ndim > 1:
+            param[...] = glorot(rngs.params(), param.shape, param.dtype)
+    return model
+
+
+# ---- masks and batches ----------------------------------------------------------------------
+
+
+def subsequent_mask(size: int) -> np.ndarray:
+    """``(1, size, size)`` bool: ``True`` on and below the diagonal (what a position may see)."""
+    check_positive_int("size", size)
+    return np.triu(np.ones((1, size, size), np.uint8), k=1) == 0
+
+
+class Batch:
+    """The post's ``Batch``: ``src`` ``(b, s)`` and ``src_mask`` ``(b, 1, s)`` (``src !=
+    pad``); with ``tgt`` ``(b, t + 1)``: ``tgt`` its first ``t`` tokens, ``tgt_y`` its last
+    ``t``, ``tgt_mask`` ``(b, t, t)`` (not padding and not future) and ``ntokens`` (``tgt_y``'s
+    tokens other than ``pad``). NumPy arrays."""
+
+    def __init__(self, src, tgt=None, pad: int = 2):  # 2 = <blank>
+        self.src = np.asarray(src)
+        self.src_mask = (self.src != pad)[:, None, :]
+        if tgt is not None:
+            tgt = np.asarray(tgt)
+            self.tgt = tgt[:, :-1]
+            self.tgt_y = tgt[:, 1:]
+            self.tgt_mask = self.make_std_mask(self.tgt, pad)
+            self.ntokens = int((self.tgt_y != pad).sum())
+
+    @staticmethod
+    def make_std_mask(tgt, pad: int) -> np.ndarray:
+        """Create a mask to hide padding and future words: ``(b, t, t)`` bool."""
+        tgt = np.asarray(tgt)
+        return (tgt != pad)[:, None, :] & subsequent_mask(tgt.shape[-1])
+
+
+def data_gen(V: int, batch_size: int, nbatches: int, *, rng: np.random.Generator | None = None):
+    """The post's copy task: ``nbatches`` batches of ``batch_size`` rows of 10 ids in
+    ``1..V-1``, the first 1 (the start symbol), ``src == tgt``, padding id 0."""
+    rng = np.random.default_rng() if rng is None else rng
+    for _ in range(nbatches):
+        data = rng.integers(1, V, size=(batch_size, 10))
+        data[:, 0] = 1
+        yield Batch(data, data.copy(), 0)
+
+
+# ---- training ------------------------------------------------------------------------------
+
+
+class LabelSmoothing:
+    """The post's label smoothing as a loss: ``KLDivLoss(reduction="sum")`` of the
+    log-probabilities ``x`` ``(n, size)`` against ``true_dist``: ``1 - smoothing`` on the
+    target, ``smoothing / (size - 2)`` on every other class but the padding column, and rows
+    whose target is ``padding_idx`` all zero."""
+
+    def __init__(self, size: int, padding_idx: int, smoothing: float = 0.0):
+        check_positive_int("size", size)
+        if size < 3:
+            raise ValueError(f"size ({size}) must be >= 3 (smoothing spreads over size - 2)")
+        if not 0 <= padding_idx < size:
+            raise ValueError(f"padding_idx ({padding_idx}) must lie in 0..{size - 1}")
+        if not 0.0 <= smoothing < 1.0:
+            raise ValueError(f"smoothing ({smoothing}) must lie in [0, 1)")
+        self.size = size
+        self.padding_idx = padding_idx
+        self.smoothing = smoothing
+        self.confidence = 1.0 - smoothing
+
+    def true_dist(self, target):
+        """``(n, size)``: the smoothed targets of ``target`` ``(n,)``."""
+        fill = self.smoothing / (self.size - 2)
+        one_hot = jax.nn.one_hot(target, self.size, dtype=jnp.float32)  # (n, size)
+        dist = jnp.where(one_hot > 0, self.confidence, fill)
+        dist = dist.at[:, self.padding_idx].set(0.0)
+        return jnp.where((target == self.padding_idx)[:, None], 0.0, dist)
+
+    def __call__(self, x, target):
+        if x.ndim != 2 or x.shape[1] != self.size:
+            raise ValueError(f"x.shape ({x.shape}) must be (n, size {self.size})")
+        dist = self.true_dist(target)
+        # torch's kl_div: target * (log(target) - x), 0 where the target is 0
+        return jnp.sum(jnp.where(dist > 0, dist * (jnp.log(jnp.where(dist > 0, dist, 1.0)) - x),
+                                 0.0))  # fmt: skip
+
+
+def rate(step, model_size, factor, warmup):
+    """The post's schedule: ``factor * model_size**-0.5 * min(step**-0.5, step *
+    warmup**-1.5)``, step 0 counted as 1 (``LambdaLR`` calls it from 0)."""
+    step = jnp.maximum(step, 1)
+    return factor * (model_size ** (-0.5) * jnp.minimum(step ** (-0.5), step * warmup ** (-1.5)))
+
+
+def rate_schedule(model_size: int, factor: float, warmup: int, base_lr: float = 1.0):
+    """An optax schedule stepping as the post's ``LambdaLR(optimizer, lambda step: rate(step,
+    ...))`` on a learning rate of ``base_lr``: update ``k`` (from 0) uses ``base_lr * rate(k)``."""
+    for name, value in (("model_size", model_size), ("warmup", warmup)):
+        check_positive_int(name, value)
+
+    def schedule(count):
+        return base_lr * rate(jnp.asarray(count, jnp.float32), model_size, factor, warmup)
+
+    return schedule
+
+
+def adam(model_size: int, factor: float = 1.0, warmup: int = 400, base_lr: float = 0.5):
+    """The post's optimiser: Adam with ``betas=(0.9, 0.98)``, ``eps=1e-9`` on ``rate``'s
+    schedule (``example_simple_model``'s defaults)."""
+    return optax.adam(rate_schedule(model_size, factor, warmup, base_lr), b1=0.9, b2=0.98, eps=1e-9)
+
+
+def loss_compute(model: EncoderDecoder, criterion: LabelSmoothing, batch):
+    """The post's ``SimpleLossCompute`` of a forward: ``criterion(generator(out), tgt_y) /
+    ntokens`` (what ``backward`` runs on)."""
+    src, tgt, src_mask, tgt_mask, tgt_y, ntokens = batch
+    out = model(src, tgt, src_mask, tgt_mask)  # (b, t, d)
+    x = model.generator(out)  # (b, t, V)
+    return criterion(x.reshape(-1, x.shape[-1]).astype(jnp.float32), tgt_y.reshape(-1)) / ntokens
+
+
+@functools.partial(nnx.jit, static_argnums=2)
+def _train_step(model, optimizer, criterion, batch):
+    loss, grads = nnx.value_and_grad(loss_compute)(model, criterion, batch)
+    optimizer.update(model, grads)
+    return loss
+
+
+def train_step(model: EncoderDecoder, optimizer: nnx.Optimizer, criterion: LabelSmoothing,
+               batch: Batch):  # fmt: skip
+    """One step of the post's ``run_epoch`` in ``"train"`` mode: the loss of ``batch`` over its
+    ``ntokens``, its gradient, the optimiser's update. Returns that loss (the post's ``sloss``;
+    its ``loss`` value is ``sloss * ntokens``)."""
+    arrays = (batch.src, batch.tgt, batch.src_mask, batch.tgt_mask, batch.tgt_y,
+              jnp.float32(batch.ntokens))  # fmt: skip
+    return _train_step(model, optimizer, criterion, arrays)
+
+
+# ---- greedy decoding -------------------------------------------------------------------------
+
+
+def greedy_decode(model: EncoderDecoder, src, src_mask, max_len: int, start_symbol: int):
+    """The post's ``greedy_decode`` for a batch: ``(b, max_len)`` ids, ``start_symbol`` first,
+    then ``max_len - 1`` greedy tokens per row, each row the post's loop on that source alone.
+
+    In one jit: the encoder once, each source attention's keys and values projected once, and
+    each decoder self-attention reading a cache of the steps so far (its keys and values
+    written one token per step), instead of the post's whole decoder run again per token."""
+    if not isinstance(model, EncoderDecoder):
+        raise TypeError(f"model ({type(model).__name__}) must be an EncoderDecoder")
+    if isinstance(max_len, bool) or not isinstance(max_len, numbers.Integral):
+        raise TypeError(f"max_len ({max_len!r}) must be an int")
+    if max_len < 1:
+        raise ValueError(f"max_len ({max_len}) must be >= 1 (the start symbol included)")
+    table = model.tgt_embed[1].pe.shape[1]
+    if max_len > table:
+        raise ValueError(
+            f"max_len ({max_len}) must not exceed the positional table's max_len ({table})"
+        )
+    vocab = model.tgt_embed[0].lut.num_embeddings
+    if isinstance(start_symbol, bool) or not isinstance(start_symbol, numbers.Integral):
+        raise TypeError(f"start_symbol ({start_symbol!r}) must be an int")
+    if not 0 <= start_symbol < vocab:
+        raise ValueError(f"start_symbol ({start_symbol}) must lie in 0..{vocab - 1}")
+    src = jnp.asarray(src)
+    if _ndim(src) == 2:
+        low, high = int(jnp.min(src)), int(jnp.max(src))
+        src_vocab = model.src_embed[0].lut.num_embeddings
+        if low < 0 or high >= src_vocab:
+            raise ValueError(f"src (ids {low}..{high}) must lie in 0..{src_vocab - 1}")
+    _check_mask("src_mask", src_mask, src, src.shape[1] if _ndim(src) == 2 else 0)
+    dropouts = [node for _, node in nnx.iter_graph(model) if isinstance(node, nnx.Dropout)]
+    modes = [dropout.deterministic for dropout in dropouts]
+    model.eval()
+    try:
+        return _greedy_decode(model, src, jnp.asarray(src_mask), max_len, start_symbol)
+    finally:
+        for dropout, deterministic in zip(dropouts, modes):
+            dropout.deterministic = deterministic
+
+
+@functools.partial(nnx.jit, static_argnums=(3, 4))
+def _greedy_decode(model, src, src_mask, max_len, start_symbol):
+    batch = src.shape[0]
+    memory = model.encode(src, src_mask)  # (b, s, d)
+    layers = model.decoder.layers
+    kv_memory = [layer.src_attn.project_kv(memory, memory) for layer in layers]
+    heads, k_dim = layers[0].self_attn.num_heads, layers[0].self_attn.k_dim
+    empty = jnp.zeros((batch, max_len, heads, k_dim), memory.dtype)  # (b, max_len, h, d)
+    caches = [(empty, empty) for _ in layers]
+    ys = jnp.full((batch, max_len), start_symbol, jnp.int32)  # (b, max_len)
+    slots = jnp.arange(max_len)
+
+    def step(i, carry):
+        ys, caches = carry
+        word = jax.lax.dynamic_slice_in_dim(ys, i, 1, axis=1)  # (b, 1)
+        x = model.tgt_embed[1].at(model.tgt_embed[0](word), i)  # (b, 1, d)
+        self_mask = (slots <= i)[None, None, :]  # (1, 1, max_len): the steps so far
+        written = []
+        for layer, (keys, values), kv in zip(layers, caches, kv_memory):
+            norm_x = layer.sublayer[0].norm(x)
+            new = layer.self_attn.project_kv(norm_x, norm_x)  # (b, 1, h, d) each
+            keys = jax.lax.dynamic_update_slice_in_dim(keys, new.keys, i, axis=1)
+            values = jax.lax.dynamic_update_slice_in_dim(values, new.values, i, axis=1)
+            x = layer.step(x, ProjectedKV(keys, values), self_mask, kv, src_mask)
+            written.append((keys, values))
+        prob = model.generator(model.decoder.norm(x)[:, 0])  # (b, V)
+        next_word = jnp.argmax(prob, axis=-1).astype(jnp.int32)  # (b,)
+        ys = jax.lax.dynamic_update_slice_in_dim(ys, next_word[:, None], i + 1, axis=1)
+        return ys, written
+
+    ys, _ = jax.lax.fori_loop(0, max_len - 1, step, (ys, caches))
+    return ys
