@@ -482,6 +482,23 @@ def test_bad_config_is_refused_by_name():
         models.GPTModel(missing, rngs=nnx.Rngs(0))
 
 
+@pytest.mark.parametrize(
+    "options, named",
+    [
+        ({"param_dtype": jnp.int32}, "param_dtype (int32) must be a floating dtype (jnp.float32"),
+        ({"param_dtype": "bogus"}, "param_dtype ('bogus') must be a floating dtype (jnp.float32"),
+        ({"dtype": jnp.int32}, "dtype (int32) must be None or a floating dtype (jnp.float32"),
+    ],
+    ids=["int_param_dtype", "not_a_dtype", "int_dtype"],
+)
+def test_a_dtype_that_is_not_floating_is_refused_by_name(options, named):
+    """Before any parameter is drawn (JAX's initialisers would name neither argument; an
+    integer ``dtype`` would fail only at the first call, inside the attention)."""
+    with pytest.raises(TypeError) as caught:
+        models.GPTModel(CFG, rngs=nnx.Rngs(0), **options)
+    assert str(caught.value).startswith(named), str(caught.value)
+
+
 def _assert_refused_and_unchanged(model, state_dict, *named):
     before = _params(model)
     with pytest.raises(ValueError) as caught:
