@@ -223,6 +223,30 @@ def test_hub_names_and_buffers_load_the_same(checkpoint, model, tmp_path):
     assert_same_params(GPTModel.from_pretrained(hub_directory), model)
 
 
+@pytest.mark.parametrize("prefix", ["transformer.", ""], ids=["transformers", "hub"])
+def test_gpt2_names_offered_to_the_default_layout_name_gpt2(checkpoint, model, prefix):
+    """Hugging Face's names (``transformer.h.0.attn.c_attn.weight``, or the hub's bare
+    ``h.0...``) loaded with the default layout: the first line after the count says the keys
+    are layout ``"gpt2"``'s, every problem is still listed, nothing is loaded. (The converse,
+    the book's names with ``layout="gpt2"``, is in ``test_models``.)"""
+    directory, _ = checkpoint
+    tensors = {prefix + k.removeprefix("transformer."): v for k, v in _tensors(directory).items()}
+    target = zeroed(model)
+    with pytest.raises(ValueError) as raised:
+        fa.load_state_dict(target, tensors)
+    lines = [line.strip() for line in str(raised.value).splitlines()]
+    n = len(tensors)
+    assert lines[1] == (
+        f"layout ('documents') must be 'gpt2' for these keys: {n} of the {n} are that layout's "
+        "names (Hugging Face GPT2Attention (GPT2LMHeadModel for a GPTModel)), 0 are "
+        "'documents' names; pass layout='gpt2'"
+    ), lines[1]
+    assert f"unexpected key {prefix}h.0.attn.c_attn.weight" in lines, lines
+    assert "missing key trf_blocks.0.att.W_query.weight" in lines, lines
+    assert lines[0].endswith(f"found {len(lines) - 2} problem(s); nothing was loaded:"), lines[0]
+    assert_same_params(target, zeroed(model))  # nothing was written
+
+
 def test_state_dict_names_are_transformers_and_load_back(checkpoint, model):
     """``fa.state_dict(model, layout="gpt2")`` holds transformers' ``state_dict()``: the same
     names (the tied ``lm_head.weight`` a copy of ``wte``; the attention layers come first, so

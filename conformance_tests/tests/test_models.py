@@ -499,6 +499,24 @@ def test_a_dtype_that_is_not_floating_is_refused_by_name(options, named):
     assert str(caught.value).startswith(named), str(caught.value)
 
 
+def test_the_books_names_loaded_as_gpt2_name_the_layout_and_load_nothing(weights):
+    """The converse of ``test_gpt2``'s Hugging Face names offered to the default layout."""
+    model = _flax(weights)
+    other = _numpy(_twin(seed=1).state_dict())
+    with pytest.raises(ValueError) as caught:
+        fa.load_state_dict(model, other, layout="gpt2")
+    lines = [line.strip() for line in str(caught.value).splitlines()]
+    n = len(other)  # every key, the causal masks included
+    assert lines[1] == (
+        f"layout ('gpt2') must be 'documents' for these keys: {n} of the {n} are that layout's "
+        "names (the documents (torch_reference)), 0 are 'gpt2' names; pass layout='documents'"
+    ), lines[1]
+    assert "unexpected key tok_emb.weight" in lines and "missing key wte.weight" in lines, lines
+    assert lines[0].endswith(f"found {len(lines) - 2} problem(s); nothing was loaded:"), lines[0]
+    for key, value in _params(model).items():
+        np.testing.assert_array_equal(value, weights[key], err_msg=f"{key} changed")
+
+
 def _assert_refused_and_unchanged(model, state_dict, *named):
     before = _params(model)
     with pytest.raises(ValueError) as caught:
