@@ -311,12 +311,36 @@ def test_checkpoint_directories_missing_files_are_rejected(checkpoint, tmp_path)
     (no_weights / "config.json").write_bytes((directory / "config.json").read_bytes())
     with pytest.raises(ValueError, match="must hold model.safetensors or model.safetensors.index"):
         GPTModel.from_pretrained(no_weights)
+    (no_weights / "pytorch_model.bin").write_bytes(b"")  # transformers' old pickled weights
+    with pytest.raises(ValueError, match=r"index\.json \(as save_pretrained writes them\); its "
+                       r"pytorch_model\.bin is not read \(a pickle\)"):  # fmt: skip
+        GPTModel.from_pretrained(no_weights)
+    with pytest.raises(ValueError, match=r"must be a checkpoint directory, not a file"):
+        GPTModel.from_pretrained(directory / "model.safetensors")
     sharded = tmp_path / "sharded"
     hf.save_pretrained(sharded, max_shard_size="50KB")
     (sharded / "model-00002-of-00014.safetensors").unlink()
     message = r"must hold model-00002-of-00014\.safetensors, a shard named by model\.safetensors"
     with pytest.raises(ValueError, match=message):
         GPTModel.from_pretrained(sharded)
+
+
+def test_a_hub_name_is_never_downloaded(tmp_path, monkeypatch):
+    """``from_pretrained("gpt2")`` (no such directory here) says that hub names are not
+    downloaded and how to fetch the files."""
+    monkeypatch.chdir(tmp_path)  # no directory named gpt2 where the name is looked up
+    with pytest.raises(ValueError) as raised:
+        GPTModel.from_pretrained("gpt2")
+    message = str(raised.value)
+    assert message.startswith(
+        "path ('gpt2') must be a local checkpoint directory holding config.json and "
+        "model.safetensors (as transformers' save_pretrained writes them); there is no such "
+        "directory, and hub names are never downloaded."
+    ), message
+    assert "`hf download gpt2 config.json model.safetensors --local-dir gpt2-checkpoint`" in (
+        message
+    )
+    assert "GPT2LMHeadModel.from_pretrained('gpt2').save_pretrained('gpt2-checkpoint')" in message
 
 
 # ---- padding -----------------------------------------------------------------------------------

@@ -161,9 +161,38 @@ def _weight_files(directory: pathlib.Path) -> list[pathlib.Path]:
                     "model.safetensors.index.json"
                 )
         return files
+    unread = (
+        "; its pytorch_model.bin is not read (a pickle): load the directory in transformers and "
+        "save_pretrained it again, which writes model.safetensors"
+        if (directory / "pytorch_model.bin").is_file()
+        else ""
+    )
     raise ValueError(
         f"checkpoint ({str(directory)!r}) must hold model.safetensors or "
-        "model.safetensors.index.json (as save_pretrained writes them)"
+        f"model.safetensors.index.json (as save_pretrained writes them){unread}"
+    )
+
+
+def _check_directory(path) -> None:
+    """``path`` must be a local directory: a hub name (``"gpt2"``) is never downloaded, so the
+    message says how to fetch one; a file is not its directory."""
+    name, directory = os.fspath(path), pathlib.Path(path)
+    if directory.is_dir():
+        return
+    if directory.is_file():
+        raise ValueError(
+            f"path ({name!r}) must be a checkpoint directory, not a file: pass the directory "
+            f"that holds config.json and model.safetensors ({str(directory.parent)!r}?)"
+        )
+    local = f"{directory.name}-checkpoint"
+    raise ValueError(
+        f"path ({name!r}) must be a local checkpoint directory holding config.json and "
+        "model.safetensors (as transformers' save_pretrained writes them); there is no such "
+        "directory, and hub names are never downloaded. Fetch the files first, e.g. "
+        f"`hf download {name} config.json model.safetensors --local-dir {local}` "
+        "(huggingface_hub's command line) or, with transformers, "
+        f"`GPT2LMHeadModel.from_pretrained({name!r}).save_pretrained({local!r})`; then "
+        f"GPTModel.from_pretrained({local!r})"
     )
 
 
@@ -175,13 +204,16 @@ def load_pretrained(cls, path: str | os.PathLike, *, seed: int = 0, mesh=None, *
     shape and dtype (``layout="gpt2"``, both ``transformer.h.{i}.`` and the hub's ``h.{i}.``,
     old checkpoints' ``attn.bias``/``attn.masked_bias`` buffers checked, a tied
     ``lm_head.weight`` equal to ``wte.weight``); a missing file or a bad tensor is a
-    ``ValueError`` naming it. ``mesh``: the model is placed on it as ``flax_attention.shard``
-    places it, each tensor straight from the file to its slices (each process of a mesh over
-    several reads and holds only its own devices' slices); a size that does not divide over
-    the mesh is a ``ValueError`` before the file is read."""
+    ``ValueError`` naming it, and so is a ``path`` that is no local directory (a hub name such
+    as ``"gpt2"`` is never downloaded: the message says how to fetch the files). ``mesh``: the
+    model is placed on it as ``flax_attention.shard`` places it, each tensor straight from the
+    file to its slices (each process of a mesh over several reads and holds only its own
+    devices' slices); a size that does not divide over the mesh is a ``ValueError`` before the
+    file is read."""
     from safetensors import SafetensorError, safe_open
 
     directory = pathlib.Path(path)
+    _check_directory(path)
     if not (directory / "config.json").is_file():
         raise ValueError(
             f"checkpoint ({str(directory)!r}) must hold config.json (as save_pretrained writes it)"

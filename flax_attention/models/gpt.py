@@ -424,8 +424,9 @@ class GPTModel(nnx.Module):
     def from_pretrained(
         cls, path: str | os.PathLike, *, seed: int = 0, mesh=None, **options
     ) -> GPTModel:
-        """A complete model (eval mode) from a Hugging Face GPT-2 checkpoint directory
-        (``flax_attention.models.checkpoints.load_pretrained``): ``options`` are the keyword
+        """A complete model (eval mode) from a local Hugging Face GPT-2 checkpoint directory
+        (``flax_attention.models.checkpoints.load_pretrained``; a hub name is never
+        downloaded): ``options`` are the keyword
         options above, ``seed`` seeds the dropout streams, ``mesh`` (a ``jax.sharding.Mesh``)
         places it as ``flax_attention.shard`` does, reading each process's slices only."""
         return checkpoints.load_pretrained(cls, path, seed=seed, mesh=mesh, **options)
