@@ -517,6 +517,34 @@ def test_the_books_names_loaded_as_gpt2_name_the_layout_and_load_nothing(weights
         np.testing.assert_array_equal(value, weights[key], err_msg=f"{key} changed")
 
 
+def test_read_pth_names_a_missing_file_and_a_pickled_module(tmp_path):
+    """``torch.save(model)`` (the module, not its ``state_dict()``) and a missing file: each
+    message names ``path``, what ``read_pth`` reads, and what the file held."""
+    expected = (
+        "a state dict saved with torch.save(model.state_dict(), path), or the book's "
+        'checkpoint dict {"model_state_dict": ..., ...}'
+    )
+    missing = tmp_path / "missing.pth"
+    with pytest.raises(FileNotFoundError) as caught:
+        models.read_pth(missing)
+    assert str(caught.value) == f"path ({str(missing)!r}) must be a file (no such file): {expected}"
+    whole = tmp_path / "whole.pth"
+    torch.save(_twin(), whole)
+    with pytest.raises(ValueError) as caught:
+        models.read_pth(whole)
+    assert str(caught.value).startswith(
+        f"path ({str(whole)!r}) must hold {expected}, not a pickled GPTModel object "
+        "(conformance_tests.book_gpt.GPTModel): torch.save(model) pickles the module itself"
+    ), str(caught.value)
+    assert 'Save its state dict instead: torch.save(model.state_dict(), "model.pth")' in str(
+        caught.value
+    )
+    mixed = tmp_path / "mixed.pth"
+    torch.save({"tok_emb.weight": torch.zeros(2), "epoch": 3}, mixed)
+    with pytest.raises(ValueError, match=r"holds non-tensors \{'epoch': 'int'\}"):
+        models.read_pth(mixed)
+
+
 def _assert_refused_and_unchanged(model, state_dict, *named):
     before = _params(model)
     with pytest.raises(ValueError) as caught:
