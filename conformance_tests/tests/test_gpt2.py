@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import runpy
 import subprocess
 import sys
 
@@ -523,6 +524,48 @@ def test_command_line_prompt_batch_and_json_equal_transformers(
         assert result[name] > 0, f"{name}: {result[name]}"
     decoded = " ".join(WORDS[i] for i in [*prompts[1], *hf_tokens[1]])
     assert done.stdout.splitlines() == [decoded] * 2  # prompt and continuation, per row
+
+
+def test_command_line_says_when_the_tokenizer_knows_fewer_ids_than_the_model(
+    checkpoint, prompts, tokenizer_dir, tmp_path, capsys
+):
+    """A tokenizer of 40 words for the model's 97 ids: its decode drops the ids >= 40, so the
+    command line says so on stderr (in process: the example's ``main``)."""
+    tokenizers = pytest.importorskip("tokenizers")
+    small = tokenizers.Tokenizer(
+        tokenizers.models.WordLevel({w: i for i, w in enumerate(WORDS[:40])}, unk_token="w0")
+    )
+    small.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    small.save(str(tmp_path / "tokenizer.json"))
+    example = runpy.run_path(str(ROOT / "examples" / "gpt2.py"))
+    out = tmp_path / "result.json"
+    text = " ".join(WORDS[i % 40] for i in prompts[0])
+    assert (
+        example["main"](
+            [
+                "--checkpoint",
+                str(checkpoint[0]),
+                "--tokenizer",
+                str(tmp_path),
+                "--prompt",
+                text,
+                "--max-new-tokens",
+                "8",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    new_ids = np.array(json.loads(out.read_text())["tokens"])  # fmt: skip
+    unknown = int((new_ids >= 40).sum())
+    assert unknown > 0, new_ids  # the case the warning is for
+    assert (
+        "warning: the tokenizer's vocabulary (40 ids) is smaller than the model's vocab_size "
+        f"(97): ids >= 40 cannot be decoded and are left out of the text ({unknown} of the 8 "
+        "new ids here). Pass the model's own tokenizer (--tokenizer DIR), or --json PATH for "
+        "the ids."
+    ) in capsys.readouterr().err
 
 
 def _book_state_dict(model) -> tuple[dict, dict]:
