@@ -344,6 +344,46 @@ def test_a_hub_name_is_never_downloaded(tmp_path, monkeypatch):
     assert "GPT2LMHeadModel.from_pretrained('gpt2').save_pretrained('gpt2-checkpoint')" in message
 
 
+def _edited_config(tmp_path, directory, **changes) -> pathlib.Path:
+    """A copy of the checkpoint whose config.json has ``changes`` (``None``: the key removed)."""
+    copy = tmp_path / "edited"
+    copy.mkdir()
+    (copy / "model.safetensors").write_bytes((directory / "model.safetensors").read_bytes())
+    config = json.loads((directory / "config.json").read_text())
+    for key, value in changes.items():
+        assert key in config, f"transformers no longer writes {key}"
+        if value is None:
+            del config[key]
+        else:
+            config[key] = value
+    (copy / "config.json").write_text(json.dumps(config))
+    return copy
+
+
+def test_a_config_without_tie_word_embeddings_is_tied(checkpoint, model, tmp_path):
+    """transformers' GPT2Config defaults ``tie_word_embeddings`` to True (the hub's gpt2
+    config.json has no such key), and transformers wrote no ``lm_head.weight``: the model
+    loads tied, with the same weights."""
+    directory, _ = checkpoint
+    loaded = GPTModel.from_pretrained(_edited_config(tmp_path, directory, tie_word_embeddings=None))
+    assert loaded.cfg["tie_word_embeddings"] is True and loaded.out_head is None
+    assert_same_params(loaded, model)
+
+
+def test_a_layer_norm_epsilon_other_than_the_books_is_refused(checkpoint, tmp_path):
+    directory, _ = checkpoint
+    message = (
+        "config layer_norm_epsilon (1e-06) must be one of (1e-05,) for GPTModel (the book's "
+        "LayerNorm adds eps 1e-5 to the variance)"
+    )
+    with pytest.raises(ValueError) as raised:
+        config_from_hf({"layer_norm_epsilon": 1e-6})
+    assert str(raised.value) == message
+    with pytest.raises(ValueError) as raised:
+        GPTModel.from_pretrained(_edited_config(tmp_path, directory, layer_norm_epsilon=1e-6))
+    assert str(raised.value) == message
+
+
 # ---- padding -----------------------------------------------------------------------------------
 
 #: Four prompts of 9, 5, 7 and 5 tokens, left-padded to 9 (pad id 0): pads 0, 4, 2 and 4.

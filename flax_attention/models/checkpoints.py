@@ -50,20 +50,43 @@ def config_from_hf(hf: Mapping) -> dict:
     not have are a ``ValueError`` naming them (another activation, ``layer_norm_epsilon`` other
     than the book's 1e-5, ``n_inner`` other than ``4 * n_embd``, unequal dropout rates, scaled or
     reordered attention, cross-attention)."""
-    fixed = {
-        "activation_function": (hf.get("activation_function", "gelu_new"), TANH_GELU),
-        "layer_norm_epsilon": (hf.get("layer_norm_epsilon", 1e-5), (1e-5,)),
-        "scale_attn_weights": (hf.get("scale_attn_weights", True), (True,)),
+    fixed = {  # name: (value, what the book's model takes, why)
+        "activation_function": (
+            hf.get("activation_function", "gelu_new"),
+            TANH_GELU,
+            "the book's GELU is the tanh approximation",
+        ),
+        "layer_norm_epsilon": (
+            hf.get("layer_norm_epsilon", 1e-5),
+            (1e-5,),
+            "the book's LayerNorm adds eps 1e-5 to the variance",
+        ),
+        "scale_attn_weights": (
+            hf.get("scale_attn_weights", True),
+            (True,),
+            "the book's attention divides the scores by sqrt(head_dim)",
+        ),
         "scale_attn_by_inverse_layer_idx": (
             hf.get("scale_attn_by_inverse_layer_idx", False),
             (False,),
+            "the book's attention scales every layer alike",
         ),
-        "reorder_and_upcast_attn": (hf.get("reorder_and_upcast_attn", False), (False,)),
-        "add_cross_attention": (hf.get("add_cross_attention", False), (False,)),
+        "reorder_and_upcast_attn": (
+            hf.get("reorder_and_upcast_attn", False),
+            (False,),
+            "the book's attention has no such option",
+        ),
+        "add_cross_attention": (
+            hf.get("add_cross_attention", False),
+            (False,),
+            "the book's GPTModel is a decoder alone",
+        ),
     }
-    for name, (value, allowed) in fixed.items():
+    for name, (value, allowed, why) in fixed.items():
         if value not in allowed:
-            raise ValueError(f"config {name} ({value!r}) must be one of {allowed} for GPTModel")
+            raise ValueError(
+                f"config {name} ({value!r}) must be one of {allowed} for GPTModel ({why})"
+            )
     n_embd = hf.get("n_embd", 768)
     if hf.get("n_inner") not in (None, 4 * n_embd):
         raise ValueError(
@@ -80,6 +103,7 @@ def config_from_hf(hf: Mapping) -> dict:
         "n_layers": hf.get("n_layer", 12),
         "drop_rate": rates["resid_pdrop"],
         "qkv_bias": True,
+        # absent means tied: transformers' GPT2Config defaults it to True (the hub's gpt2)
         "tie_word_embeddings": hf.get("tie_word_embeddings", True),
     }
 
