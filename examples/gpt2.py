@@ -97,6 +97,21 @@ def prompt_ids(args, tokenizer) -> list[int]:
     return tokenizer.encode(args.prompt).ids
 
 
+def warn_unknown_ids(tokenizer_size: int, vocab_size: int, new_ids) -> None:
+    """Say on stderr when the tokenizer knows fewer ids than the model emits: its decode drops
+    the others, so a row may print as little or no text."""
+    if tokenizer_size >= vocab_size:
+        return
+    unknown = int((new_ids >= tokenizer_size).sum())
+    print(
+        f"warning: the tokenizer's vocabulary ({tokenizer_size} ids) is smaller than the "
+        f"model's vocab_size ({vocab_size}): ids >= {tokenizer_size} cannot be decoded and are "
+        f"left out of the text ({unknown} of the {new_ids.size} new ids here). Pass the "
+        "model's own tokenizer (--tokenizer DIR), or --json PATH for the ids.",
+        file=sys.stderr,
+    )
+
+
 def run(args) -> dict:
     if args.batch < 1:
         raise ValueError(f"--batch ({args.batch}) must be a positive int")
@@ -121,6 +136,8 @@ def run(args) -> dict:
     out, generate_s = timed(args.max_new_tokens)
     timed(1)  # compiles the prefill's shapes
     new_ids, prefill_s = out[:, len(prompt) :], timed(1)[1]
+    if tokenizer is not None:
+        warn_unknown_ids(tokenizer.get_vocab_size(), model.cfg["vocab_size"], new_ids)
     for row in new_ids.tolist():
         print(tokenizer.decode(prompt + row) if tokenizer is not None else row)
     result = {

@@ -499,7 +499,8 @@ def load_state_dict(
         unexpected += [key for key in state_dict.keys() if not isinstance(key, str)]
     mismatched, problems, updates = _check_values(targets, values, prefix)
     if strict and (missing or unexpected or mismatched):
-        raise _strict_error(module, spec, prefix, missing, unexpected, problems)
+        hint = _other_layout(module, spec, targets, given) if unexpected else ""
+        raise _strict_error(module, spec, prefix, missing, unexpected, problems, hint)
     for variable, value in updates:  # all checked: written only now
         _assign(variable, value)
     return IncompatibleKeys(missing, unexpected, mismatched)
@@ -551,8 +552,35 @@ def _check_values(
     return mismatched, problems, updates
 
 
-def _strict_error(module, spec: Layout, prefix: str, missing, unexpected, problems) -> ValueError:
-    """The one error of a strict load that found problems: a line per offending key."""
+def _other_layout(module, spec: Layout, targets: dict[str, _Target], given: dict) -> str:
+    """The line that names the layout the offered keys are written in, when another layout
+    the module takes knows more of them than ``spec`` does (Hugging Face's GPT-2 names offered
+    to the default layout, the book's names with ``layout="gpt2"``); else ``""``."""
+    known = sum(name in targets for name in given)
+    best, best_known = None, known
+    for other in LAYOUTS.values():
+        if other.name == spec.name or _layer_class(module) not in other.layers:
+            continue
+        try:
+            fits = sum(name in _targets(module, other, given) for name in given)
+        except ValueError:  # a layout this layer's shapes cannot take (torch_nn, d_in != d_out)
+            continue
+        if fits > best_known:
+            best, best_known = other, fits
+    if best is None:
+        return ""
+    return (
+        f"layout ({spec.name!r}) must be {best.name!r} for these keys: {best_known} of the "
+        f"{len(given)} are that layout's names ({best.peer}), {known} are {spec.name!r} names; "
+        f"pass layout={best.name!r}"
+    )
+
+
+def _strict_error(
+    module, spec: Layout, prefix: str, missing, unexpected, problems, hint: str = ""
+) -> ValueError:
+    """The one error of a strict load that found problems: a line per offending key, after
+    the line that names a better layout (``hint``) if there is one."""
     refused = dict(spec.refused)  # a peer's key no layer here takes -> why
     lines = [f"missing key {name}" for name in missing]
     for key in unexpected:
@@ -562,9 +590,10 @@ def _strict_error(module, spec: Layout, prefix: str, missing, unexpected, proble
         name = key[len(prefix) :]
         lines.append(f"unexpected key {key}" + (f" ({refused[name]})" if name in refused else ""))
     lines += problems
+    shown = [hint, *lines] if hint else lines
     return ValueError(
         f"load_state_dict into {type(module).__name__} (strict=True) found "
-        f"{len(lines)} problem(s); nothing was loaded:\n  " + "\n  ".join(lines)
+        f"{len(lines)} problem(s); nothing was loaded:\n  " + "\n  ".join(shown)
     )
 
 

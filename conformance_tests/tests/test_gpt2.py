@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import runpy
 import subprocess
 import sys
 
@@ -223,6 +224,30 @@ def test_hub_names_and_buffers_load_the_same(checkpoint, model, tmp_path):
     assert_same_params(GPTModel.from_pretrained(hub_directory), model)
 
 
+@pytest.mark.parametrize("prefix", ["transformer.", ""], ids=["transformers", "hub"])
+def test_gpt2_names_offered_to_the_default_layout_name_gpt2(checkpoint, model, prefix):
+    """Hugging Face's names (``transformer.h.0.attn.c_attn.weight``, or the hub's bare
+    ``h.0...``) loaded with the default layout: the first line after the count says the keys
+    are layout ``"gpt2"``'s, every problem is still listed, nothing is loaded. (The converse,
+    the book's names with ``layout="gpt2"``, is in ``test_models``.)"""
+    directory, _ = checkpoint
+    tensors = {prefix + k.removeprefix("transformer."): v for k, v in _tensors(directory).items()}
+    target = zeroed(model)
+    with pytest.raises(ValueError) as raised:
+        fa.load_state_dict(target, tensors)
+    lines = [line.strip() for line in str(raised.value).splitlines()]
+    n = len(tensors)
+    assert lines[1] == (
+        f"layout ('documents') must be 'gpt2' for these keys: {n} of the {n} are that layout's "
+        "names (Hugging Face GPT2Attention (GPT2LMHeadModel for a GPTModel)), 0 are "
+        "'documents' names; pass layout='gpt2'"
+    ), lines[1]
+    assert f"unexpected key {prefix}h.0.attn.c_attn.weight" in lines, lines
+    assert "missing key trf_blocks.0.att.W_query.weight" in lines, lines
+    assert lines[0].endswith(f"found {len(lines) - 2} problem(s); nothing was loaded:"), lines[0]
+    assert_same_params(target, zeroed(model))  # nothing was written
+
+
 def test_state_dict_names_are_transformers_and_load_back(checkpoint, model):
     """``fa.state_dict(model, layout="gpt2")`` holds transformers' ``state_dict()``: the same
     names (the tied ``lm_head.weight`` a copy of ``wte``; the attention layers come first, so
@@ -287,12 +312,76 @@ def test_checkpoint_directories_missing_files_are_rejected(checkpoint, tmp_path)
     (no_weights / "config.json").write_bytes((directory / "config.json").read_bytes())
     with pytest.raises(ValueError, match="must hold model.safetensors or model.safetensors.index"):
         GPTModel.from_pretrained(no_weights)
+    (no_weights / "pytorch_model.bin").write_bytes(b"")  # transformers' old pickled weights
+    with pytest.raises(ValueError, match=r"index\.json \(as save_pretrained writes them\); its "
+                       r"pytorch_model\.bin is not read \(a pickle\)"):  # fmt: skip
+        GPTModel.from_pretrained(no_weights)
+    with pytest.raises(ValueError, match=r"must be a checkpoint directory, not a file"):
+        GPTModel.from_pretrained(directory / "model.safetensors")
     sharded = tmp_path / "sharded"
     hf.save_pretrained(sharded, max_shard_size="50KB")
     (sharded / "model-00002-of-00014.safetensors").unlink()
     message = r"must hold model-00002-of-00014\.safetensors, a shard named by model\.safetensors"
     with pytest.raises(ValueError, match=message):
         GPTModel.from_pretrained(sharded)
+
+
+def test_a_hub_name_is_never_downloaded(tmp_path, monkeypatch):
+    """``from_pretrained("gpt2")`` (no such directory here) says that hub names are not
+    downloaded and how to fetch the files."""
+    monkeypatch.chdir(tmp_path)  # no directory named gpt2 where the name is looked up
+    with pytest.raises(ValueError) as raised:
+        GPTModel.from_pretrained("gpt2")
+    message = str(raised.value)
+    assert message.startswith(
+        "path ('gpt2') must be a local checkpoint directory holding config.json and "
+        "model.safetensors (as transformers' save_pretrained writes them); there is no such "
+        "directory, and hub names are never downloaded."
+    ), message
+    assert "`hf download gpt2 config.json model.safetensors --local-dir gpt2-checkpoint`" in (
+        message
+    )
+    assert "GPT2LMHeadModel.from_pretrained('gpt2').save_pretrained('gpt2-checkpoint')" in message
+
+
+def _edited_config(tmp_path, directory, **changes) -> pathlib.Path:
+    """A copy of the checkpoint whose config.json has ``changes`` (``None``: the key removed)."""
+    copy = tmp_path / "edited"
+    copy.mkdir()
+    (copy / "model.safetensors").write_bytes((directory / "model.safetensors").read_bytes())
+    config = json.loads((directory / "config.json").read_text())
+    for key, value in changes.items():
+        assert key in config, f"transformers no longer writes {key}"
+        if value is None:
+            del config[key]
+        else:
+            config[key] = value
+    (copy / "config.json").write_text(json.dumps(config))
+    return copy
+
+
+def test_a_config_without_tie_word_embeddings_is_tied(checkpoint, model, tmp_path):
+    """transformers' GPT2Config defaults ``tie_word_embeddings`` to True (the hub's gpt2
+    config.json has no such key), and transformers wrote no ``lm_head.weight``: the model
+    loads tied, with the same weights."""
+    directory, _ = checkpoint
+    loaded = GPTModel.from_pretrained(_edited_config(tmp_path, directory, tie_word_embeddings=None))
+    assert loaded.cfg["tie_word_embeddings"] is True and loaded.out_head is None
+    assert_same_params(loaded, model)
+
+
+def test_a_layer_norm_epsilon_other_than_the_books_is_refused(checkpoint, tmp_path):
+    directory, _ = checkpoint
+    message = (
+        "config layer_norm_epsilon (1e-06) must be one of (1e-05,) for GPTModel (the book's "
+        "LayerNorm adds eps 1e-5 to the variance)"
+    )
+    with pytest.raises(ValueError) as raised:
+        config_from_hf({"layer_norm_epsilon": 1e-6})
+    assert str(raised.value) == message
+    with pytest.raises(ValueError) as raised:
+        GPTModel.from_pretrained(_edited_config(tmp_path, directory, layer_norm_epsilon=1e-6))
+    assert str(raised.value) == message
 
 
 # ---- padding -----------------------------------------------------------------------------------
@@ -475,6 +564,48 @@ def test_command_line_prompt_batch_and_json_equal_transformers(
         assert result[name] > 0, f"{name}: {result[name]}"
     decoded = " ".join(WORDS[i] for i in [*prompts[1], *hf_tokens[1]])
     assert done.stdout.splitlines() == [decoded] * 2  # prompt and continuation, per row
+
+
+def test_command_line_says_when_the_tokenizer_knows_fewer_ids_than_the_model(
+    checkpoint, prompts, tokenizer_dir, tmp_path, capsys
+):
+    """A tokenizer of 40 words for the model's 97 ids: its decode drops the ids >= 40, so the
+    command line says so on stderr (in process: the example's ``main``)."""
+    tokenizers = pytest.importorskip("tokenizers")
+    small = tokenizers.Tokenizer(
+        tokenizers.models.WordLevel({w: i for i, w in enumerate(WORDS[:40])}, unk_token="w0")
+    )
+    small.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    small.save(str(tmp_path / "tokenizer.json"))
+    example = runpy.run_path(str(ROOT / "examples" / "gpt2.py"))
+    out = tmp_path / "result.json"
+    text = " ".join(WORDS[i % 40] for i in prompts[0])
+    assert (
+        example["main"](
+            [
+                "--checkpoint",
+                str(checkpoint[0]),
+                "--tokenizer",
+                str(tmp_path),
+                "--prompt",
+                text,
+                "--max-new-tokens",
+                "8",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    new_ids = np.array(json.loads(out.read_text())["tokens"])  # fmt: skip
+    unknown = int((new_ids >= 40).sum())
+    assert unknown > 0, new_ids  # the case the warning is for
+    assert (
+        "warning: the tokenizer's vocabulary (40 ids) is smaller than the model's vocab_size "
+        f"(97): ids >= 40 cannot be decoded and are left out of the text ({unknown} of the 8 "
+        "new ids here). Pass the model's own tokenizer (--tokenizer DIR), or --json PATH for "
+        "the ids."
+    ) in capsys.readouterr().err
 
 
 def _book_state_dict(model) -> tuple[dict, dict]:

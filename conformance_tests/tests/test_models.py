@@ -588,6 +588,69 @@ def test_bad_config_is_refused_by_name():
         models.GPTModel(missing, rngs=nnx.Rngs(0))
 
 
+@pytest.mark.parametrize(
+    "options, named",
+    [
+        ({"param_dtype": jnp.int32}, "param_dtype (int32) must be a floating dtype (jnp.float32"),
+        ({"param_dtype": "bogus"}, "param_dtype ('bogus') must be a floating dtype (jnp.float32"),
+        ({"dtype": jnp.int32}, "dtype (int32) must be None or a floating dtype (jnp.float32"),
+    ],
+    ids=["int_param_dtype", "not_a_dtype", "int_dtype"],
+)
+def test_a_dtype_that_is_not_floating_is_refused_by_name(options, named):
+    """Before any parameter is drawn (JAX's initialisers would name neither argument; an
+    integer ``dtype`` would fail only at the first call, inside the attention)."""
+    with pytest.raises(TypeError) as caught:
+        models.GPTModel(CFG, rngs=nnx.Rngs(0), **options)
+    assert str(caught.value).startswith(named), str(caught.value)
+
+
+def test_the_books_names_loaded_as_gpt2_name_the_layout_and_load_nothing(weights):
+    """The converse of ``test_gpt2``'s Hugging Face names offered to the default layout."""
+    model = _flax(weights)
+    other = _numpy(_twin(seed=1).state_dict())
+    with pytest.raises(ValueError) as caught:
+        fa.load_state_dict(model, other, layout="gpt2")
+    lines = [line.strip() for line in str(caught.value).splitlines()]
+    n = len(other)  # every key, the causal masks included
+    assert lines[1] == (
+        f"layout ('gpt2') must be 'documents' for these keys: {n} of the {n} are that layout's "
+        "names (the documents (torch_reference)), 0 are 'gpt2' names; pass layout='documents'"
+    ), lines[1]
+    assert "unexpected key tok_emb.weight" in lines and "missing key wte.weight" in lines, lines
+    assert lines[0].endswith(f"found {len(lines) - 2} problem(s); nothing was loaded:"), lines[0]
+    for key, value in _params(model).items():
+        np.testing.assert_array_equal(value, weights[key], err_msg=f"{key} changed")
+
+
+def test_read_pth_names_a_missing_file_and_a_pickled_module(tmp_path):
+    """``torch.save(model)`` (the module, not its ``state_dict()``) and a missing file: each
+    message names ``path``, what ``read_pth`` reads, and what the file held."""
+    expected = (
+        "a state dict saved with torch.save(model.state_dict(), path), or the book's "
+        'checkpoint dict {"model_state_dict": ..., ...}'
+    )
+    missing = tmp_path / "missing.pth"
+    with pytest.raises(FileNotFoundError) as caught:
+        models.read_pth(missing)
+    assert str(caught.value) == f"path ({str(missing)!r}) must be a file (no such file): {expected}"
+    whole = tmp_path / "whole.pth"
+    torch.save(_twin(), whole)
+    with pytest.raises(ValueError) as caught:
+        models.read_pth(whole)
+    assert str(caught.value).startswith(
+        f"path ({str(whole)!r}) must hold {expected}, not a pickled GPTModel object "
+        "(conformance_tests.book_gpt.GPTModel): torch.save(model) pickles the module itself"
+    ), str(caught.value)
+    assert 'Save its state dict instead: torch.save(model.state_dict(), "model.pth")' in str(
+        caught.value
+    )
+    mixed = tmp_path / "mixed.pth"
+    torch.save({"tok_emb.weight": torch.zeros(2), "epoch": 3}, mixed)
+    with pytest.raises(ValueError, match=r"holds non-tensors \{'epoch': 'int'\}"):
+        models.read_pth(mixed)
+
+
 def _assert_refused_and_unchanged(model, state_dict, *named):
     before = _params(model)
     with pytest.raises(ValueError) as caught:

@@ -20,6 +20,8 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import pickletools
+import zipfile
 from collections.abc import Mapping
 
 import jax
@@ -48,20 +50,43 @@ def config_from_hf(hf: Mapping) -> dict:
     not have are a ``ValueError`` naming them (another activation, ``layer_norm_epsilon`` other
     than the book's 1e-5, ``n_inner`` other than ``4 * n_embd``, unequal dropout rates, scaled or
     reordered attention, cross-attention)."""
-    fixed = {
-        "activation_function": (hf.get("activation_function", "gelu_new"), TANH_GELU),
-        "layer_norm_epsilon": (hf.get("layer_norm_epsilon", 1e-5), (1e-5,)),
-        "scale_attn_weights": (hf.get("scale_attn_weights", True), (True,)),
+    fixed = {  # name: (value, what the book's model takes, why)
+        "activation_function": (
+            hf.get("activation_function", "gelu_new"),
+            TANH_GELU,
+            "the book's GELU is the tanh approximation",
+        ),
+        "layer_norm_epsilon": (
+            hf.get("layer_norm_epsilon", 1e-5),
+            (1e-5,),
+            "the book's LayerNorm adds eps 1e-5 to the variance",
+        ),
+        "scale_attn_weights": (
+            hf.get("scale_attn_weights", True),
+            (True,),
+            "the book's attention divides the scores by sqrt(head_dim)",
+        ),
         "scale_attn_by_inverse_layer_idx": (
             hf.get("scale_attn_by_inverse_layer_idx", False),
             (False,),
+            "the book's attention scales every layer alike",
         ),
-        "reorder_and_upcast_attn": (hf.get("reorder_and_upcast_attn", False), (False,)),
-        "add_cross_attention": (hf.get("add_cross_attention", False), (False,)),
+        "reorder_and_upcast_attn": (
+            hf.get("reorder_and_upcast_attn", False),
+            (False,),
+            "the book's attention has no such option",
+        ),
+        "add_cross_attention": (
+            hf.get("add_cross_attention", False),
+            (False,),
+            "the book's GPTModel is a decoder alone",
+        ),
     }
-    for name, (value, allowed) in fixed.items():
+    for name, (value, allowed, why) in fixed.items():
         if value not in allowed:
-            raise ValueError(f"config {name} ({value!r}) must be one of {allowed} for GPTModel")
+            raise ValueError(
+                f"config {name} ({value!r}) must be one of {allowed} for GPTModel ({why})"
+            )
     n_embd = hf.get("n_embd", 768)
     if hf.get("n_inner") not in (None, 4 * n_embd):
         raise ValueError(
@@ -78,6 +103,7 @@ def config_from_hf(hf: Mapping) -> dict:
         "n_layers": hf.get("n_layer", 12),
         "drop_rate": rates["resid_pdrop"],
         "qkv_bias": True,
+        # absent means tied: transformers' GPT2Config defaults it to True (the hub's gpt2)
         "tie_word_embeddings": hf.get("tie_word_embeddings", True),
     }
 
@@ -161,9 +187,38 @@ def _weight_files(directory: pathlib.Path) -> list[pathlib.Path]:
                     "model.safetensors.index.json"
                 )
         return files
+    unread = (
+        "; its pytorch_model.bin is not read (a pickle): load the directory in transformers and "
+        "save_pretrained it again, which writes model.safetensors"
+        if (directory / "pytorch_model.bin").is_file()
+        else ""
+    )
     raise ValueError(
         f"checkpoint ({str(directory)!r}) must hold model.safetensors or "
-        "model.safetensors.index.json (as save_pretrained writes them)"
+        f"model.safetensors.index.json (as save_pretrained writes them){unread}"
+    )
+
+
+def _check_directory(path) -> None:
+    """``path`` must be a local directory: a hub name (``"gpt2"``) is never downloaded, so the
+    message says how to fetch one; a file is not its directory."""
+    name, directory = os.fspath(path), pathlib.Path(path)
+    if directory.is_dir():
+        return
+    if directory.is_file():
+        raise ValueError(
+            f"path ({name!r}) must be a checkpoint directory, not a file: pass the directory "
+            f"that holds config.json and model.safetensors ({str(directory.parent)!r}?)"
+        )
+    local = f"{directory.name}-checkpoint"
+    raise ValueError(
+        f"path ({name!r}) must be a local checkpoint directory holding config.json and "
+        "model.safetensors (as transformers' save_pretrained writes them); there is no such "
+        "directory, and hub names are never downloaded. Fetch the files first, e.g. "
+        f"`hf download {name} config.json model.safetensors --local-dir {local}` "
+        "(huggingface_hub's command line) or, with transformers, "
+        f"`GPT2LMHeadModel.from_pretrained({name!r}).save_pretrained({local!r})`; then "
+        f"GPTModel.from_pretrained({local!r})"
     )
 
 
@@ -175,13 +230,16 @@ def load_pretrained(cls, path: str | os.PathLike, *, seed: int = 0, mesh=None, *
     shape and dtype (``layout="gpt2"``, both ``transformer.h.{i}.`` and the hub's ``h.{i}.``,
     old checkpoints' ``attn.bias``/``attn.masked_bias`` buffers checked, a tied
     ``lm_head.weight`` equal to ``wte.weight``); a missing file or a bad tensor is a
-    ``ValueError`` naming it. ``mesh``: the model is placed on it as ``flax_attention.shard``
-    places it, each tensor straight from the file to its slices (each process of a mesh over
-    several reads and holds only its own devices' slices); a size that does not divide over
-    the mesh is a ``ValueError`` before the file is read."""
+    ``ValueError`` naming it, and so is a ``path`` that is no local directory (a hub name such
+    as ``"gpt2"`` is never downloaded: the message says how to fetch the files). ``mesh``: the
+    model is placed on it as ``flax_attention.shard`` places it, each tensor straight from the
+    file to its slices (each process of a mesh over several reads and holds only its own
+    devices' slices); a size that does not divide over the mesh is a ``ValueError`` before the
+    file is read."""
     from safetensors import SafetensorError, safe_open
 
     directory = pathlib.Path(path)
+    _check_directory(path)
     if not (directory / "config.json").is_file():
         raise ValueError(
             f"checkpoint ({str(directory)!r}) must hold config.json (as save_pretrained writes it)"
@@ -225,11 +283,70 @@ def save_pretrained(model, path: str | os.PathLike) -> None:
     (directory / "config.json").write_text(json.dumps(config_to_hf(model.cfg), indent=2) + "\n")
 
 
+#: What ``read_pth`` reads, as its messages say it.
+_PTH = (
+    "a state dict saved with torch.save(model.state_dict(), path), or the book's checkpoint "
+    'dict {"model_state_dict": ..., ...}'
+)
+
+
+def _pickled_class(name: str) -> str | None:
+    """The class of the object a torch file pickles (``"module.GPTModel"``), read from the
+    pickle's opcodes without unpickling anything; ``None`` if it is not one (a dict, a list,
+    not a zip file torch wrote)."""
+    try:
+        with zipfile.ZipFile(name) as archive:
+            member = next(n for n in archive.namelist() if n.endswith("/data.pkl"))
+            data = archive.read(member)
+    except (zipfile.BadZipFile, StopIteration, OSError):
+        return None
+    strings = []
+    try:
+        for opcode, arg, _ in pickletools.genops(data):
+            if opcode.name in ("PROTO", "FRAME", "MEMOIZE", "BINPUT", "LONG_BINPUT", "PUT"):
+                continue
+            if opcode.name == "GLOBAL":  # protocol 2, torch.save's: the first object's class
+                return arg.replace(" ", ".")
+            if opcode.name == "STACK_GLOBAL" and len(strings) == 2:
+                return ".".join(strings)
+            if "UNICODE" not in opcode.name:
+                return None  # a container or a value built from no class
+            strings.append(arg)
+    except ValueError:  # not a pickle after all
+        return None
+    return None
+
+
+def _unreadable(torch, name: str, error: Exception) -> str:
+    """Why ``torch.load(name, weights_only=True)`` failed, in a line: a safetensors file, a
+    file that is no zip archive (as torch.save writes), the classes the file pickles besides
+    tensors (a module inside a dict, ...), else torch's own first line."""
+    with open(name, "rb") as file:
+        head = file.read(9)
+    if len(head) == 9 and head[8:] == b"{" and int.from_bytes(head[:8], "little") > 1:
+        return "it is a safetensors file, which flax_attention.load_file(model, path) reads"
+    if not zipfile.is_zipfile(name):
+        return f"it is not a zip archive as torch.save writes ({type(error).__name__})"
+    try:
+        classes = torch.serialization.get_unsafe_globals_in_checkpoint(name)
+    except Exception:  # noqa: BLE001 - its own error is the one to report
+        classes = []
+    if classes:
+        return f"it pickles objects of {sorted(classes)}, which only unpickling code can read"
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"
+
+
 def read_pth(path: str | os.PathLike) -> dict[str, np.ndarray]:
     """The book's torch checkpoint (``torch.save(model.state_dict(), path)``, or a dict with
     ``"model_state_dict"`` as chapter 5 saves model and optimizer) as NumPy arrays, for
     ``flax_attention.load_state_dict(model, read_pth(path))``. Reads with
-    ``torch.load(path, map_location="cpu", weights_only=True)``: tensors only, no code."""
+    ``torch.load(path, map_location="cpu", weights_only=True)``: tensors only, no code.
+
+    A missing file is a ``FileNotFoundError``, and a file of anything else a ``ValueError``,
+    each naming ``path`` and what it holds instead: a pickled module (``torch.save(model)``,
+    not its ``state_dict()``), a safetensors file (``flax_attention.load_file`` reads it), a
+    dict with values other than tensors."""
     try:
         import torch
     except ImportError as error:
@@ -238,12 +355,35 @@ def read_pth(path: str | os.PathLike) -> dict[str, np.ndarray]:
             "pip install torch --index-url https://download.pytorch.org/whl/cpu)"
         ) from error
     name = os.fspath(path)
-    loaded = torch.load(name, map_location="cpu", weights_only=True)
+    if not os.path.isfile(name):
+        found = "a directory" if os.path.isdir(name) else "no such file"
+        raise FileNotFoundError(f"path ({name!r}) must be a file ({found}): {_PTH}")
+    try:
+        loaded = torch.load(name, map_location="cpu", weights_only=True)
+    except Exception as error:  # noqa: BLE001 - torch's unpickler raises several types
+        held = _pickled_class(name)
+        if held is None:
+            raise ValueError(
+                f"path ({name!r}) must hold {_PTH}; torch.load(weights_only=True) could not read "
+                f"it: {_unreadable(torch, name, error)}"
+            ) from error
+        raise ValueError(
+            f"path ({name!r}) must hold {_PTH}, not a pickled {held.rsplit('.', 1)[-1]} object "
+            f"({held}): torch.save(model) pickles the module itself, and read_pth reads tensors "
+            "only, never code. Save its state dict instead: "
+            'torch.save(model.state_dict(), "model.pth") (this file\'s model, only if you trust '
+            "the file and can import its class: torch.load it with weights_only=False, then "
+            "save its state_dict())"
+        ) from None
     if isinstance(loaded, Mapping) and "model_state_dict" in loaded:
         loaded = loaded["model_state_dict"]
     if not isinstance(loaded, Mapping):
+        raise ValueError(f"path ({name!r}) must hold {_PTH}, not a {type(loaded).__name__}")
+    others = {key: type(v).__name__ for key, v in loaded.items() if not torch.is_tensor(v)}
+    if others:
         raise ValueError(
-            f"path ({name!r}) must hold a state dict (str -> tensor), got {type(loaded).__name__}"
+            f"path ({name!r}) must hold {_PTH}: a dict whose values are tensors, but it holds "
+            f"non-tensors {others}"
         )
 
     def numpy(tensor):

@@ -67,6 +67,7 @@ __all__ = [
     "LayerNorm",
     "TransformerBlock",
     "check_config",
+    "check_dtypes",
 ]
 
 #: The book's configuration of GPT-2 small (chapter 4), untied head.
@@ -146,6 +147,28 @@ def check_config(cfg) -> dict:
         if not isinstance(cfg[key], bool):
             raise TypeError(f"cfg[{key!r}] ({cfg[key]!r}) must be a bool")
     return cfg
+
+
+#: What ``dtype`` and ``param_dtype`` take, as the messages name them.
+_FLOATING = "jnp.float32, jnp.bfloat16, jnp.float16 or jnp.float64"
+
+
+def check_dtypes(dtype, param_dtype) -> None:
+    """``dtype`` (``None``, or the dtype the model computes in) and ``param_dtype`` (the
+    parameters') must be floating dtypes: a ``TypeError`` naming the argument and the value
+    otherwise (an integer ``param_dtype`` would reach JAX's initialisers, whose message names
+    neither; an integer ``dtype`` would fail only at the first call, in the attention)."""
+    for name, value, optional in (("dtype", dtype, True), ("param_dtype", param_dtype, False)):
+        if value is None and optional:
+            continue
+        try:
+            found = None if value is None else jnp.dtype(value)
+        except TypeError:  # not a dtype at all ('bogus', a list, ...)
+            found = None
+        if found is None or not jnp.issubdtype(found, jnp.floating):
+            shown = repr(value) if found is None else found.name
+            rule = "None or a floating dtype" if optional else "a floating dtype"
+            raise TypeError(f"{name} ({shown}) must be {rule} ({_FLOATING})")
 
 
 class LayerNorm(nnx.Module):
@@ -276,6 +299,7 @@ class GPTModel(nnx.Module):
         implementation: Implementation | None = None,
     ):
         cfg = check_config(cfg)
+        check_dtypes(dtype, param_dtype)
         self.cfg = Config(cfg)
         self.precision = precision
         embed = functools.partial(
@@ -400,8 +424,9 @@ class GPTModel(nnx.Module):
     def from_pretrained(
         cls, path: str | os.PathLike, *, seed: int = 0, mesh=None, **options
     ) -> GPTModel:
-        """A complete model (eval mode) from a Hugging Face GPT-2 checkpoint directory
-        (``flax_attention.models.checkpoints.load_pretrained``): ``options`` are the keyword
+        """A complete model (eval mode) from a local Hugging Face GPT-2 checkpoint directory
+        (``flax_attention.models.checkpoints.load_pretrained``; a hub name is never
+        downloaded): ``options`` are the keyword
         options above, ``seed`` seeds the dropout streams, ``mesh`` (a ``jax.sharding.Mesh``)
         places it as ``flax_attention.shard`` does, reading each process's slices only."""
         return checkpoints.load_pretrained(cls, path, seed=seed, mesh=mesh, **options)
