@@ -93,8 +93,9 @@ def test_make_model_keeps_attention_dropout_at_0_1_and_xavier_initialises_matric
     rates = {name: m.p for name, m in model.named_modules() if isinstance(m, torch.nn.Dropout)}
     attention = {name for name in rates if name.endswith("attn.dropout")}
     assert len(attention) == 2 + 2 * 2  # one per encoder layer, two per decoder layer
-    assert all(rates[name] == 0.1 for name in attention)
-    assert all(p == 0.0 for name, p in rates.items() if name not in attention)
+    assert {name: rates[name] for name in attention} == dict.fromkeys(attention, 0.1)
+    others = {name: p for name, p in rates.items() if name not in attention}
+    assert others == dict.fromkeys(others, 0.0)
     assert len(rates) == 6 + 2 * 2 + 2 * 3 + 2 * 2 + 2  # attn, ff, sublayers, embeddings
     # xavier_uniform_ on the (11, 32) table: |w| <= sqrt(6 / (11 + 32)) = 0.37354; torch's own
     # N(0, 1) init of an embedding would exceed that in almost every entry.
