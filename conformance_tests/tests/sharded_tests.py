@@ -31,7 +31,7 @@ from flax_attention.axes import HEADS, constrain
 from flax_attention.core import select_implementation
 from flax_attention.kernels import dropout_hash, native
 from flax_attention.masking import AttentionMask
-from flax_attention.models import GPTModel, generate
+from flax_attention.models import GPTModel, annotated, generate
 
 if jax.device_count() < 8:  # test_sharding.py runs this file with 8 devices
     pytest.skip(
@@ -455,6 +455,40 @@ def test_decode_greedy_generate_of_the_gpt_model_equals_one_device(kind):
     assert str(raised.value).startswith(
         "idx batch (3) must be divisible by the mesh's data axis (2)"
     ), str(raised.value)
+
+
+# ---- the Annotated Transformer's model (flax_attention.models.annotated) on a mesh ----------
+
+
+@pytest.mark.parametrize("kind", AXIS_TYPES)
+def test_the_annotated_model_on_a_mesh_equals_one_device(kind):
+    """The post's encoder-decoder (8 heads, d_ff 64: both divide every model axis) on 2x4: each
+    attention's projections and the feed-forward's hidden features over ``model``; the decoder
+    output of a padded batch, and batched greedy decoding, equal one device."""
+    if "annotated" not in _GPT_REFERENCES:
+        model = annotated.make_model(13, 13, N=2, d_model=32, d_ff=64, h=8, rngs=nnx.Rngs(3))
+        model.eval()
+        rng = np.random.default_rng(23)
+        src, tgt = rng.integers(1, 13, (B, 7)), rng.integers(1, 13, (B, 6))
+        src[1::2, 4:], tgt[1::2, 3:] = 0, 0
+        batch = annotated.Batch(src, tgt, pad=0)
+        out = np.asarray(model(batch.src, batch.tgt, batch.src_mask, batch.tgt_mask))
+        ids = np.asarray(annotated.greedy_decode(model, src, batch.src_mask, 9, 1))
+        _GPT_REFERENCES["annotated"] = model, batch, out, ids
+    model, batch, out, ids = _GPT_REFERENCES["annotated"]
+    mesh = make_mesh((2, 4), kind=kind)
+    sharded = fa.shard(nnx.clone(model), mesh)
+    layer = sharded.encoder.layers[0]
+    for linear, spec in ((layer.self_attn.proj_weights[0], P(None, "model")),
+                         (layer.self_attn.proj_weights[3], P("model", None)),
+                         (layer.feed_forward.w_1, P(None, "model"))):  # fmt: skip
+        assert placed_as(linear.kernel[...], mesh, spec), linear.kernel[...].sharding
+    with jax.set_mesh(mesh):
+        got = sharded(batch.src, batch.tgt, batch.src_mask, batch.tgt_mask)
+        decoded = annotated.greedy_decode(sharded, batch.src, batch.src_mask, 9, 1)
+    worst = assert_close({"out": out}, {"out": got}, f"annotated model on 2x4 ({kind})")
+    print(f"annotated model 2x4 ({kind}): decoder output max abs diff {worst:.2e}")
+    np.testing.assert_array_equal(np.asarray(decoded), ids)
 
 
 @pytest.mark.parametrize("kind", AXIS_TYPES)

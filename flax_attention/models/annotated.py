@@ -62,7 +62,13 @@ from flax import nnx
 from flax_attention._checks import check_dropout, check_positive_int
 from flax_attention._init import linear_factory
 from flax_attention.annotated import MultiHeadedAttention, ProjectedKV
-from flax_attention.axes import FROM_HEADS, TO_HEADS, LinearAxes
+from flax_attention.axes import (
+    FROM_HEADS,
+    TO_HEADS,
+    LinearAxes,
+    lookup_sharding,
+    out_sharding_like,
+)
 from flax_attention.core import Implementation
 from flax_attention.layouts import ModelNames
 from flax_attention.weights import CheckedBuffer
@@ -143,7 +149,8 @@ class PositionwiseFeedForward(nnx.Module):
         return {"d_ff": self.w_1.out_features}
 
     def __call__(self, x):
-        return self.w_2(self.dropout(jax.nn.relu(self.w_1(x))))  # (b, t, d)
+        hidden = self.dropout(jax.nn.relu(self.w_1(x)))  # (b, t, d_ff)
+        return self.w_2(hidden, out_sharding=out_sharding_like(x))  # (b, t, d)
 
 
 class Embeddings(nnx.Module):
@@ -154,7 +161,8 @@ class Embeddings(nnx.Module):
         self.d_model = d_model
 
     def __call__(self, x):
-        return self.lut(x) * math.sqrt(self.d_model)  # (b, t, d)
+        # Explicit mesh axes: the lookup laid out like its ids (the batch over data).
+        return self.lut(x, out_sharding=lookup_sharding(x)) * math.sqrt(self.d_model)  # (b, t, d)
 
 
 def positional_encoding(d_model: int, max_len: int) -> np.ndarray:
@@ -642,10 +650,11 @@ def _greedy_decode(model, src, src_mask, max_len, start_symbol):
     memory = model.encode(src, src_mask)  # (b, s, d)
     layers = model.decoder.layers
     kv_memory = [layer.src_attn.project_kv(memory, memory) for layer in layers]
-    heads, k_dim = layers[0].self_attn.num_heads, layers[0].self_attn.k_dim
-    empty = jnp.zeros((batch, max_len, heads, k_dim), memory.dtype)  # (b, max_len, h, d)
+    # Laid out as the projections are (on a mesh: batch over data, heads over model).
+    one = jnp.zeros_like(kv_memory[0].keys[:, :1])  # (b, 1, h, d)
+    empty = jnp.broadcast_to(one, (batch, max_len, *one.shape[2:]))  # (b, max_len, h, d)
     caches = [(empty, empty) for _ in layers]
-    ys = jnp.full((batch, max_len), start_symbol, jnp.int32)  # (b, max_len)
+    ys = jnp.broadcast_to(jnp.full_like(src[:, :1], start_symbol, jnp.int32), (batch, max_len))
     slots = jnp.arange(max_len)
 
     def step(i, carry):
