@@ -212,26 +212,77 @@ def test_native_equals_reference(
     _assert_close(expected, actual, name)
 
 
-def _cpu_has_avx512() -> bool:
+def _widest_vectors() -> int:
+    """Floats per vector of the widest x86-64 level this CPU runs: 16 (x86-64-v4, AVX-512), 8
+    (x86-64-v3, AVX2 and FMA), 4 (baseline, and other machines)."""
     try:
         with open("/proc/cpuinfo") as cpuinfo:
-            flags = next(line for line in cpuinfo if line.startswith("flags")).split()
+            flags = set(next(line for line in cpuinfo if line.startswith("flags")).split())
     except (OSError, StopIteration):
-        return False
-    return platform.machine() == "x86_64" and "avx512f" in flags
+        return 4
+    if platform.machine() != "x86_64":
+        return 4
+    if {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"} <= flags:
+        return 16
+    return 8 if {"avx2", "fma", "bmi2"} <= flags else 4
 
 
 @pytestmark_native
 def test_products_follow_the_cpu(monkeypatch):
-    """The tiles' products run on the AVX-512 micro-kernel exactly where the CPU has AVX-512
-    (x86-64 Linux here), on the BLAS elsewhere and when the environment asks for it."""
-    assert native.products() == ("avx512" if _cpu_has_avx512() else "blas")
+    """The portable library's micro-kernel copy is the widest this CPU runs (a one-arch build's
+    is its -march's, no wider than the CPU); by default the tiles' products run on the
+    micro-kernel exactly where that copy has 16-float vectors (AVX-512), on the BLAS elsewhere;
+    ``FLAX_ATTENTION_NATIVE_PRODUCTS`` chooses either, on every CPU."""
+    monkeypatch.delenv("FLAX_ATTENTION_NATIVE_PRODUCTS", raising=False)
+    width = native._micro_width()
+    if native._per_cpu_copies():
+        assert width == _widest_vectors()
+    assert width in (16, 8, 4) and width <= _widest_vectors()
+    assert native.products() == ("micro" if width == 16 else "blas")
     monkeypatch.setenv("FLAX_ATTENTION_NATIVE_PRODUCTS", "blas")
     assert native.products() == "blas"
+    monkeypatch.setenv("FLAX_ATTENTION_NATIVE_PRODUCTS", "micro")
+    assert native.products() == "micro"
 
 
-#: Cases whose head dims are multiples of 16 (the micro-kernel's, where the CPU has AVX-512),
-#: run again on the BLAS's products: both ways equal ``reference``.
+#: The micro-kernel's own cases, run with ``FLAX_ATTENTION_NATIVE_PRODUCTS=micro`` so that every
+#: CPU runs it (by default only AVX-512 ones do): (name, batch, t, s, h, d_k, d_v, is_causal,
+#: mask shape, offset, fill, [(block_q, block_k), ...]). Its blocks are 6 rows x 64 columns, so:
+#: - ``tails_causal``: every product meets row blocks that leave 1 to 5 rows (the query tiles'
+#:   19, 20, 22 rows and their last 8, 5, 21; the key tiles' lengths for dV and dK), and the
+#:   scores' padded rows 16 to 80 floats long leave 16, 32 and 48 columns after their blocks
+#:   of 64, as d_k = 48 and d_v = 32 do; with key tiles of 16 the backward adds each tile's dK
+#:   and dV into rows j0 on, with d_k != d_v (a stride or offset of the other would show).
+#: - ``wide_cross``: d_k = 80 (a block of 64 and 16 columns) against d_v = 16, 70 keys
+#:   (rows of 80 floats) for 13 queries, the caller's mask with document 001's fill.
+MICRO_CASES = [
+    ("tails_causal", (1,), 65, 65, 2, 48, 32, True, None, 0, -np.inf, [(19, 0), (20, 16), (22, 0)]),
+    ("wide_cross", (2,), 13, 70, 2, 80, 16, False, (2, 1, 13, 70), 0, -1e10, [(0, 0), (5, 32)]),
+]
+
+
+@pytestmark_native
+@pytest.mark.parametrize("case", MICRO_CASES, ids=[c[0] for c in MICRO_CASES])
+def test_micro_kernel_equals_reference(case, monkeypatch):
+    """``FLAX_ATTENTION_NATIVE_PRODUCTS=micro``: the micro-kernel's copy for this CPU (AVX-512,
+    AVX2 or baseline vectors, the same blocking) runs every product, forward and gradients equal
+    to ``reference`` for each tiling."""
+    name, batch, t, s, h, d_k, d_v, is_causal, mask_shape, offset, fill, tilings = case
+    if native._micro_width() == 0:
+        pytest.skip("the library has no micro-kernel (a compiler without vector shuffles)")
+    monkeypatch.setenv("FLAX_ATTENTION_NATIVE_PRODUCTS", "micro")
+    assert native.products() == "micro"
+    q, k, v, cotangent, mask = _inputs(batch, t, s, h, d_k, d_v, mask_shape)
+    expected = _reference_run(("micro", name), mask, is_causal, offset, fill, q, k, v, cotangent)
+    assert np.isfinite(np.asarray(expected["out"])).all(), f"{name}: reference must be finite"
+    for block_q, block_k in tilings:
+        kernel = _native(mask, is_causal, offset, fill, block_q=block_q, block_k=block_k)
+        what = f"{name} on the micro-kernel, block_q {block_q}, block_k {block_k}"
+        _assert_close(expected, _run(kernel, q, k, v, cotangent), what)
+
+
+#: Cases whose head dims are multiples of 16 (the micro-kernel's, by default where the CPU has
+#: AVX-512), run again on the BLAS's products: both ways equal ``reference``.
 BLAS_CASES = ["tiles_65_causal", "head_dim_256", "cross_7_11", "mask_bhts_causal"]
 
 

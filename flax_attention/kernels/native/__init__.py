@@ -10,14 +10,14 @@ the query offset), plus dropout inside the tiles (``dropout_hash``). Forward and
 two FFI targets under one ``jax.custom_vjp``; the backward recomputes the tiles from the saved
 row max ``m`` and denominator ``l``. Tiles are ``block_q`` queries (64, or 128 from 2048
 queries, unless given) by ``block_k`` keys (512 unless given); the forward runs an online
-softmax across a row's key tiles. The tiles' products run on the kernel's own AVX-512
-micro-kernel where the CPU has AVX-512 and the head dims are multiples of 16 (GPT-2's 64), on
-scipy-openblas32's ``sgemm`` (single-threaded per call) elsewhere (``products()`` says which;
-``FLAX_ATTENTION_NATIVE_PRODUCTS=blas`` asks for the BLAS). The parallelism is XLA's intra-op
-thread pool, one task per (batch, head, query block) forward and per (batch, head) backward.
-Inputs of float32 or bfloat16 are computed in float32 and the result cast back; ``precision``
-is accepted for the common signature: the kernel always multiplies in full float32
-(``HIGHEST``).
+softmax across a row's key tiles. The tiles' products run on the kernel's own micro-kernel
+(one source, compiled for AVX-512, AVX2 and baseline vectors) where the CPU has AVX-512 and the
+head dims are multiples of 16 (GPT-2's 64), on scipy-openblas32's ``sgemm`` (single-threaded per
+call) elsewhere (``products()`` says which; ``FLAX_ATTENTION_NATIVE_PRODUCTS=blas`` or ``=micro``
+asks for one). The parallelism is XLA's intra-op thread pool, one task per (batch, head, query
+block) forward and per (batch, head) backward. Inputs of float32 or bfloat16 are computed in
+float32 and the result cast back; ``precision`` is accepted for the common signature: the kernel
+always multiplies in full float32 (``HIGHEST``).
 
 The library is built by the package's install (``setup.py``). Where it was not built, cannot be
 loaded, or ``FLAX_ATTENTION_NATIVE=0`` is set in the environment at import, ``available()`` is
@@ -137,13 +137,29 @@ def why_unavailable() -> str | None:
 
 def products() -> str | None:
     """What the kernel multiplies its tiles with where ``d_k`` and ``d_v`` are multiples of 16:
-    ``"avx512"``, its own register-blocked micro-kernel (x86-64 CPUs with AVX-512), or
-    ``"blas"``, scipy-openblas32's ``sgemm`` (other CPUs, other head dims, and wherever
-    ``FLAX_ATTENTION_NATIVE_PRODUCTS=blas`` is set: the kernel reads it at each call). ``None``
-    where the kernel is unavailable."""
+    ``"micro"``, its own register-blocked micro-kernel, or ``"blas"``, scipy-openblas32's
+    ``sgemm`` (also the only one for other head dims). ``None`` where the kernel is unavailable.
+
+    By default the micro-kernel runs where the library's copy for this CPU has 16-float vectors
+    (x86-64 CPUs with AVX-512), the BLAS elsewhere (with AVX2 the micro-kernel's blocks spill
+    registers and it is slower). ``FLAX_ATTENTION_NATIVE_PRODUCTS``, read by the kernel at each
+    call, chooses instead: ``blas``, or ``micro`` (on every CPU where the micro-kernel is built:
+    how the tests run it on CPUs without AVX-512)."""
     if _load() is not None:
         return None
-    return "avx512" if _LIBRARY[0].FlaxAttentionMicroKernel() == 1 else "blas"
+    return "micro" if _LIBRARY[0].FlaxAttentionMicroKernel() == 1 else "blas"
+
+
+def _micro_width() -> int:
+    """Floats per vector of the micro-kernel's copy for this CPU (16 AVX-512, 8 AVX2, 4), 0
+    where the library has no micro-kernel; the kernel must be available."""
+    return _LIBRARY[0].FlaxAttentionMicroWidth()
+
+
+def _per_cpu_copies() -> bool:
+    """Whether the library holds one copy of its hot functions per x86-64 level, the widest this
+    CPU runs picked when it loads (the portable build); the kernel must be available."""
+    return _LIBRARY[0].FlaxAttentionClones() == 1
 
 
 def why_not_here() -> str | None:

@@ -24,8 +24,9 @@
 //   dQ = dS K / sqrt(dk),  dK += dS^T Q / sqrt(dk)
 // where D is the dropout keep-mask times 1 / (1 - rate), regenerated from the same hash.
 //
-// The products: MicroGemm (below) on CPUs with AVX-512 where dk and dv are multiples of 16,
-// scipy-openblas32's sgemm otherwise.
+// The products: the kernel's own micro-kernel (MicroGemm, below) where dk and dv are multiples
+// of 16 and MicroKernel allows it (by default on CPUs with AVX-512; on every CPU with
+// FLAX_ATTENTION_NATIVE_PRODUCTS=micro), scipy-openblas32's sgemm otherwise.
 //
 // Masking semantics (those of the reference): the caller's mask fills a score with fill_value
 // (-inf, or document 001's -1e10); a key the causal mask hides stays -inf (it is skipped), so
@@ -42,6 +43,7 @@
 #include <limits>
 #include <memory>
 #include <mutex>
+#include <utility>
 #include <vector>
 
 #include "cblas.h"  // scipy-openblas32: the symbols carry a scipy_ prefix
@@ -216,9 +218,11 @@ void ParallelFor(ffi::ThreadPool& pool, int64_t n, const Body& body) {
 // with compilers before GCC 12 (no x86-64-v3/v4 clones), clang, and other machines.
 #if defined(__x86_64__) && defined(__GLIBC__) && !defined(__clang__) && __GNUC__ >= 12 && \
     !defined(FLAX_ATTENTION_ONE_ARCH)
+#define FLAX_ATTENTION_CLONES 1
 #define WIDEST_VECTORS \
   __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default"), flatten))
 #else
+#define FLAX_ATTENTION_CLONES 0
 #define WIDEST_VECTORS
 #endif
 
@@ -229,127 +233,184 @@ float* Scratch(size_t size) {
   return scratch.data();
 }
 
-// ---- products on AVX-512: a register-blocked micro-kernel for the heads' short products -----
+// ---- products: a register-blocked micro-kernel for the heads' short products --------------
 // The tiles' products contract over a head's 64 features or a tile's rows: too short for a
 // BLAS, which packs both operands on every call and stores C after each 64-long panel
 // (scipy-openblas32 ran them at 55-85% of a core's peak). Here every product is one form,
 //   C[i][n] = alpha * sum_k A[i * am + k * ak] * B[k * ldb + n]  (+ C[i][n] when accumulating)
-// with B's rows contiguous over n: C in blocks of 6 rows x 64 columns (24 of the 32 vector
-// registers), per k one vector load of B per 16 columns and one broadcast of A per row. The
-// scores' product reads the keys transposed, (dk, s), made once per head before the tiles.
-// Used where the CPU has AVX-512 and N (the scores' padded row, dk, dv) is a multiple of 16;
-// elsewhere the BLAS.
+// with B's rows contiguous over n (N, the scores' padded row, dk or dv, a multiple of 16): C in
+// blocks of 6 rows x 64 columns, per k one vector load of B per vector of columns and one
+// broadcast of A per row. The scores' product reads the keys transposed, (dk, s), made once per
+// head before the tiles.
+//
+// Written once, with GCC / Clang vector extensions over a vector type Vec of W floats, so that
+// the same blocking compiles for every CPU: W = 16 on x86-64-v4 (AVX-512: the 6 x 64 block is 24
+// of the 32 vector registers), 8 on x86-64-v3 (AVX2: each 16 columns two registers), 4 elsewhere.
+// The portable x86-64 build compiles one copy per level (function multiversioning: the loader
+// picks the widest this CPU runs, as for WIDEST_VECTORS); a one-arch build, one copy for its
+// -march. MicroKernel, below, says where it runs.
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#include <immintrin.h>
+#if defined(__GNUC__) && defined(__has_builtin)
+#if __has_builtin(__builtin_shufflevector)  // GCC 12 and later, clang
 #define FLAX_ATTENTION_MICRO 1
-#define AVX512 __attribute__((target("avx512f,avx2,fma")))
+#endif
+#endif
+#ifndef FLAX_ATTENTION_MICRO
+#define FLAX_ATTENTION_MICRO 0
+#endif
 
-template <int R, int V>  // R rows of C, V vectors of 16 columns
-AVX512 inline void MicroBlock(int64_t k_len, const float* A, int64_t am, int64_t ak,
-                              const float* B, int64_t ldb, float* C, int64_t ldc, float alpha,
-                              bool accumulate) {
-  __m512 acc[R][V];
+#if FLAX_ATTENTION_MICRO
+typedef float Vec16 __attribute__((vector_size(64)));
+typedef float Vec8 __attribute__((vector_size(32)));
+typedef float Vec4 __attribute__((vector_size(16)));
+
+template <typename Vec>
+constexpr int kWidth = sizeof(Vec) / sizeof(float);
+
+// Unaligned loads and stores (one vector move each). Vectors go by reference, never by value:
+// these helpers are inlined into copies for different targets.
+template <typename Vec>
+inline void Load(Vec& v, const float* p) { std::memcpy(&v, p, sizeof(Vec)); }
+template <typename Vec>
+inline void Store(float* p, const Vec& v) { std::memcpy(p, &v, sizeof(Vec)); }
+
+template <typename Vec, int R, int G>  // R rows of C, G groups of 16 columns
+inline void MicroBlock(int64_t k_len, const float* A, int64_t am, int64_t ak, const float* B,
+                       int64_t ldb, float* C, int64_t ldc, float alpha, bool accumulate) {
+  constexpr int W = kWidth<Vec>, V = G * 16 / W;  // a row of the block: V vectors of W floats
+  Vec acc[R][V];
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < V; ++v) acc[r][v] = _mm512_setzero_ps();
+    for (int v = 0; v < V; ++v) acc[r][v] = Vec{};
   for (int64_t k = 0; k < k_len; ++k) {
     const float* b = B + k * ldb;
-    __m512 bv[V];
-    for (int v = 0; v < V; ++v) bv[v] = _mm512_loadu_ps(b + 16 * v);
+    Vec bv[V];
+    for (int v = 0; v < V; ++v) Load(bv[v], b + W * v);
     const float* a = A + k * ak;
     for (int r = 0; r < R; ++r) {
-      const __m512 ar = _mm512_set1_ps(a[r * am]);
-      for (int v = 0; v < V; ++v) acc[r][v] = _mm512_fmadd_ps(ar, bv[v], acc[r][v]);
+      const float ar = a[r * am];  // broadcast to every lane by the product below
+      for (int v = 0; v < V; ++v) acc[r][v] += ar * bv[v];  // one FMA where the target has FMA
     }
   }
-  const __m512 scale = _mm512_set1_ps(alpha);
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < V; ++v) {
-      float* c = C + r * ldc + 16 * v;
-      const __m512 out = accumulate ? _mm512_fmadd_ps(acc[r][v], scale, _mm512_loadu_ps(c))
-                                    : _mm512_mul_ps(acc[r][v], scale);
-      _mm512_storeu_ps(c, out);
+      float* c = C + r * ldc + W * v;
+      Vec out = acc[r][v] * alpha;
+      if (accumulate) {
+        Vec old;
+        Load(old, c);
+        out = acc[r][v] * alpha + old;
+      }
+      Store(c, out);
     }
 }
 
-template <int V>
-AVX512 void MicroColumns(int64_t m, int64_t k_len, const float* A, int64_t am, int64_t ak,
+template <typename Vec, int G>
+inline void MicroColumns(int64_t m, int64_t k_len, const float* A, int64_t am, int64_t ak,
                          const float* B, int64_t ldb, float* C, int64_t ldc, float alpha,
                          bool accumulate) {
   int64_t i = 0;
   for (; i + 6 <= m; i += 6)
-    MicroBlock<6, V>(k_len, A + i * am, am, ak, B, ldb, C + i * ldc, ldc, alpha, accumulate);
+    MicroBlock<Vec, 6, G>(k_len, A + i * am, am, ak, B, ldb, C + i * ldc, ldc, alpha, accumulate);
   const float* a = A + i * am;
   float* c = C + i * ldc;
   switch (m - i) {
-    case 5: MicroBlock<5, V>(k_len, a, am, ak, B, ldb, c, ldc, alpha, accumulate); break;
-    case 4: MicroBlock<4, V>(k_len, a, am, ak, B, ldb, c, ldc, alpha, accumulate); break;
-    case 3: MicroBlock<3, V>(k_len, a, am, ak, B, ldb, c, ldc, alpha, accumulate); break;
-    case 2: MicroBlock<2, V>(k_len, a, am, ak, B, ldb, c, ldc, alpha, accumulate); break;
-    case 1: MicroBlock<1, V>(k_len, a, am, ak, B, ldb, c, ldc, alpha, accumulate); break;
+    case 5: MicroBlock<Vec, 5, G>(k_len, a, am, ak, B, ldb, c, ldc, alpha, accumulate); break;
+    case 4: MicroBlock<Vec, 4, G>(k_len, a, am, ak, B, ldb, c, ldc, alpha, accumulate); break;
+    case 3: MicroBlock<Vec, 3, G>(k_len, a, am, ak, B, ldb, c, ldc, alpha, accumulate); break;
+    case 2: MicroBlock<Vec, 2, G>(k_len, a, am, ak, B, ldb, c, ldc, alpha, accumulate); break;
+    case 1: MicroBlock<Vec, 1, G>(k_len, a, am, ak, B, ldb, c, ldc, alpha, accumulate); break;
     default: break;
   }
 }
 
 // C (m x n, n a multiple of 16) = alpha A B (+ C): column blocks of 64 outside, so a block of B
 // (k_len x 64) stays in L1 while every row block of C passes over it.
-AVX512 void MicroGemm(int64_t m, int64_t n, int64_t k_len, const float* A, int64_t am,
-                      int64_t ak, const float* B, int64_t ldb, float* C, int64_t ldc,
-                      float alpha, bool accumulate) {
+template <typename Vec>
+inline void MicroGemmOf(int64_t m, int64_t n, int64_t k_len, const float* A, int64_t am,
+                        int64_t ak, const float* B, int64_t ldb, float* C, int64_t ldc,
+                        float alpha, bool accumulate) {
   int64_t j = 0;
   for (; j + 64 <= n; j += 64)
-    MicroColumns<4>(m, k_len, A, am, ak, B + j, ldb, C + j, ldc, alpha, accumulate);
+    MicroColumns<Vec, 4>(m, k_len, A, am, ak, B + j, ldb, C + j, ldc, alpha, accumulate);
   switch ((n - j) / 16) {
-    case 3: MicroColumns<3>(m, k_len, A, am, ak, B + j, ldb, C + j, ldc, alpha, accumulate); break;
-    case 2: MicroColumns<2>(m, k_len, A, am, ak, B + j, ldb, C + j, ldc, alpha, accumulate); break;
-    case 1: MicroColumns<1>(m, k_len, A, am, ak, B + j, ldb, C + j, ldc, alpha, accumulate); break;
+    case 3:
+      MicroColumns<Vec, 3>(m, k_len, A, am, ak, B + j, ldb, C + j, ldc, alpha, accumulate);
+      break;
+    case 2:
+      MicroColumns<Vec, 2>(m, k_len, A, am, ak, B + j, ldb, C + j, ldc, alpha, accumulate);
+      break;
+    case 1:
+      MicroColumns<Vec, 1>(m, k_len, A, am, ak, B + j, ldb, C + j, ldc, alpha, accumulate);
+      break;
     default: break;
   }
 }
 
-bool CpuHasAvx512() {
-  static const bool has = __builtin_cpu_supports("avx512f");
-  return has;
+// low, high <- a and b interleaved lane by lane: their first halves, their second halves.
+template <typename Vec, size_t... I>
+inline void Interleave(Vec& low, Vec& high, const Vec& a, const Vec& b, std::index_sequence<I...>) {
+  constexpr size_t W = kWidth<Vec>;
+  low = __builtin_shufflevector(a, b, (I % 2 ? W + I / 2 : I / 2)...);
+  high = __builtin_shufflevector(a, b, (I % 2 ? W + W / 2 + I / 2 : W / 2 + I / 2)...);
 }
 
 // x (s rows of `count` features, row stride ld; count a multiple of 16) -> xt (count x sp),
-// zero from column s on: 16 x 16 blocks transposed in registers.
-AVX512 void Transpose(const float* x, int64_t s, int64_t count, int64_t ld, float* xt,
-                      int64_t sp) {
-  for (int64_t j0 = 0; j0 < s; j0 += 16) {
-    const int64_t jn = std::min<int64_t>(16, s - j0);
-    for (int64_t c0 = 0; c0 < count; c0 += 16) {
-      __m512 r[16], t[16];
-      for (int i = 0; i < 16; ++i)
-        r[i] = i < jn ? _mm512_loadu_ps(x + (j0 + i) * ld + c0) : _mm512_setzero_ps();
-      for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+// zero from column s on: W x W blocks transposed in registers, in log2(W) rounds that interleave
+// row i with row i + W / 2 into rows 2i and 2i + 1 (after them, row c holds column c).
+template <typename Vec>
+inline void TransposeOf(const float* x, int64_t s, int64_t count, int64_t ld, float* xt,
+                        int64_t sp) {
+  constexpr int W = kWidth<Vec>;
+  for (int64_t j0 = 0; j0 < s; j0 += W) {
+    const int64_t jn = std::min<int64_t>(W, s - j0);
+    for (int64_t c0 = 0; c0 < count; c0 += W) {
+      Vec r[W], t[W];
+      for (int i = 0; i < W; ++i) {
+        r[i] = Vec{};
+        if (i < jn) Load(r[i], x + (j0 + i) * ld + c0);
       }
-      for (int i = 0; i < 16; i += 4) {
-        r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
-        r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
-        r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-        r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+#pragma GCC unroll 4
+      for (int round = 1; round < W; round *= 2) {
+#pragma GCC unroll 8
+        for (int i = 0; i < W / 2; ++i)
+          Interleave(t[2 * i], t[2 * i + 1], r[i], r[i + W / 2], std::make_index_sequence<W>());
+#pragma GCC unroll 16
+        for (int i = 0; i < W; ++i) r[i] = t[i];
       }
-      for (int h = 0; h < 16; h += 8)
-        for (int i = 0; i < 4; ++i) {
-          t[h + i] = _mm512_shuffle_f32x4(r[h + i], r[h + i + 4], 0x88);
-          t[h + i + 4] = _mm512_shuffle_f32x4(r[h + i], r[h + i + 4], 0xDD);
-        }
-      for (int i = 0; i < 8; ++i) {
-        r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
-        r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD);
-      }
-      for (int c = 0; c < 16; ++c) _mm512_storeu_ps(xt + (c0 + c) * sp + j0, r[c]);
+      for (int c = 0; c < W; ++c) Store(xt + (c0 + c) * sp + j0, r[c]);
     }
   }
-  const int64_t zero_from = (s + 15) / 16 * 16;
+  const int64_t zero_from = (s + W - 1) / W * W;
   for (int64_t c = 0; c < count; ++c) std::fill(xt + c * sp + zero_from, xt + (c + 1) * sp, 0.0f);
 }
+
+// The copies: MicroGemm and Transpose with Vec's lanes, and MicroWidth, W.
+#define FLAX_ATTENTION_MICRO_COPY(attributes, Vec)                                              \
+  attributes void MicroGemm(int64_t m, int64_t n, int64_t k_len, const float* A, int64_t am,   \
+                            int64_t ak, const float* B, int64_t ldb, float* C, int64_t ldc,    \
+                            float alpha, bool accumulate) {                                    \
+    MicroGemmOf<Vec>(m, n, k_len, A, am, ak, B, ldb, C, ldc, alpha, accumulate);               \
+  }                                                                                            \
+  attributes void Transpose(const float* x, int64_t s, int64_t count, int64_t ld, float* xt,   \
+                            int64_t sp) {                                                      \
+    TransposeOf<Vec>(x, s, count, ld, xt, sp);                                                 \
+  }                                                                                            \
+  attributes int MicroWidth() { return kWidth<Vec>; }
+
+#if FLAX_ATTENTION_CLONES
+FLAX_ATTENTION_MICRO_COPY(__attribute__((target("arch=x86-64-v4"), flatten)), Vec16)
+FLAX_ATTENTION_MICRO_COPY(__attribute__((target("arch=x86-64-v3"), flatten)), Vec8)
+FLAX_ATTENTION_MICRO_COPY(__attribute__((target("default"), flatten)), Vec4)
+#elif defined(__AVX512F__)
+FLAX_ATTENTION_MICRO_COPY(__attribute__((flatten)), Vec16)
+#elif defined(__AVX__)
+FLAX_ATTENTION_MICRO_COPY(__attribute__((flatten)), Vec8)
 #else
-#define FLAX_ATTENTION_MICRO 0
-bool CpuHasAvx512() { return false; }
+FLAX_ATTENTION_MICRO_COPY(__attribute__((flatten)), Vec4)
+#endif
+#undef FLAX_ATTENTION_MICRO_COPY
+#else
+int MicroWidth() { return 0; }
 void MicroGemm(int64_t, int64_t, int64_t, const float*, int64_t, int64_t, const float*, int64_t,
                float*, int64_t, float, bool) {}
 void Transpose(const float*, int64_t, int64_t, int64_t, float*, int64_t) {}
@@ -512,12 +573,17 @@ void BackwardHead(const Attention& a, int64_t b, int64_t hd, const float* out, c
   }
 }
 
-// Whether the products may run on the micro-kernel (built for x86-64, the CPU has AVX-512, and
-// FLAX_ATTENTION_NATIVE_PRODUCTS=blas is not set: read at each call); head dims aside.
+// Whether the products run on the micro-kernel, head dims aside. FLAX_ATTENTION_NATIVE_PRODUCTS,
+// read at each call, chooses: blas, or micro (wherever the micro-kernel is built: how the tests
+// run it on every CPU). Unset (or any other value): the micro-kernel where its copy for this CPU
+// has 16-float vectors (AVX-512), the BLAS elsewhere: with 8-float vectors (AVX2) the 6 x 64
+// block wants 48 accumulators of the 16 registers, and the spills make it slower than the BLAS
+// (measured: docs/performance.md, "The micro-kernel on every CPU").
 bool MicroKernel() {
   const char* products = std::getenv("FLAX_ATTENTION_NATIVE_PRODUCTS");
-  const bool blas = products && std::strcmp(products, "blas") == 0;
-  return FLAX_ATTENTION_MICRO && CpuHasAvx512() && !blas;
+  if (!FLAX_ATTENTION_MICRO || (products && std::strcmp(products, "blas") == 0)) return false;
+  if (products && std::strcmp(products, "micro") == 0) return true;
+  return MicroWidth() == 16;
 }
 
 // ---- decoding the FFI call -----------------------------------------------------------------
@@ -659,6 +725,14 @@ extern "C" const char* FlaxAttentionJaxlibVersion() { return FLAX_ATTENTION_JAXL
 
 // 1 where a call now would run its products on the micro-kernel (head dims multiples of 16).
 extern "C" int FlaxAttentionMicroKernel() { return MicroKernel(); }
+
+// The floats per vector of the micro-kernel's copy for this CPU: 16 (AVX-512), 8 (AVX), 4; 0
+// where it is not built.
+extern "C" int FlaxAttentionMicroWidth() { return MicroWidth(); }
+
+// 1 where the hot functions have one copy per x86-64 level, the widest this CPU runs picked at
+// load (the portable build); 0 for one copy (FLAX_ATTENTION_MARCH, other compilers, machines).
+extern "C" int FlaxAttentionClones() { return FLAX_ATTENTION_CLONES; }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FlaxAttentionForward, Forward,
                               ffi::Ffi::Bind()
