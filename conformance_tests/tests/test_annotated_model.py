@@ -267,3 +267,71 @@ def test_greedy_decode_of_a_padded_batch_equals_the_posts_loop_per_row(weights):
     # inside the caller's own jit, a fixed max_len
     decode = nnx.jit(lambda m, s, mask: annotated.greedy_decode(m, s, mask, max_len, 1))
     np.testing.assert_array_equal(decode(model, src, src[:, None, :] != PAD), got)
+
+
+def test_bad_inputs_are_refused_by_name_and_a_bad_load_changes_nothing(weights, batch):
+    src, tgt = batch
+    model = _flax(weights)
+    b = annotated.Batch(src, tgt, PAD)
+    cases = [
+        (
+            lambda: model(b.src, b.tgt, b.src_mask[:, :, :5], b.tgt_mask),
+            ValueError,
+            r"src_mask.shape \(\(2, 1, 5\)\) must broadcast to \(2 or 1, 9 or 1, 9\)",
+        ),
+        (
+            lambda: model(b.src, b.tgt, b.src_mask, b.tgt_mask[:1, :3]),
+            ValueError,
+            r"tgt_mask.shape \(\(1, 3, 7\)\) must broadcast to \(2 or 1, 7 or 1, 7\)",
+        ),
+        (
+            lambda: model.encode(np.ones((1, 5001), int), np.ones((1, 1, 5001))),
+            ValueError,
+            r"src tokens \(5001\) must not exceed the positional table's max_len \(5000\)",
+        ),
+        (
+            lambda: model(b.src + V, b.tgt, b.src_mask, b.tgt_mask),
+            ValueError,
+            r"src \(ids 11\.\.21\) must lie in 0\.\.10",
+        ),
+        (
+            lambda: model(b.src, b.tgt.astype(np.float32), b.src_mask, b.tgt_mask),
+            TypeError,
+            r"tgt \(dtype float32\) must hold integer token ids",
+        ),
+        (
+            lambda: annotated.greedy_decode(model, b.src, b.src_mask, 0, 1),
+            ValueError,
+            r"max_len \(0\) must be >= 1",
+        ),
+        (
+            lambda: annotated.greedy_decode(model, b.src, b.src_mask, 5001, 1),
+            ValueError,
+            r"max_len \(5001\) must not exceed the positional table's max_len \(5000\)",
+        ),
+        (
+            lambda: annotated.greedy_decode(model, b.src, b.src_mask, 5, 11),
+            ValueError,
+            r"start_symbol \(11\) must lie in 0\.\.10",
+        ),
+        (lambda: annotated.LabelSmoothing(2, 0), ValueError, r"size \(2\) must be >= 3"),
+        (lambda: annotated.make_model(V, V, N=0, rngs=nnx.Rngs(0)), ValueError, r"N \(0\)"),
+    ]
+    for call, error, message in cases:
+        with pytest.raises(error, match=message):
+            call()
+
+    before = fa.state_dict(model)
+    bigger = _numpy(post.make_model(V, V, N=N, d_model=D_MODEL, d_ff=2 * D_FF, h=H).state_dict())
+    missing = {k: v for k, v in weights.items() if k != "decoder.layers.1.src_attn.linears.2.bias"}
+    shifted = {**weights, "src_embed.1.pe": weights["src_embed.1.pe"] + 0.1}
+    for wrong, named in (
+        (bigger, "encoder.layers.0.feed_forward.w_1.weight: shape (128, 32) must be (64, 32)"),
+        (missing, "missing key decoder.layers.1.src_attn.linears.2.bias"),
+        (shifted, "src_embed.1.pe: differs from the sinusoidal positional encoding at position 0"),
+    ):
+        with pytest.raises(ValueError, match="nothing was loaded") as raised:
+            fa.load_state_dict(model, wrong)
+        assert named in str(raised.value), str(raised.value)
+        after = fa.state_dict(model)
+        assert all(np.array_equal(after[k], v) for k, v in before.items()), "a failed load wrote"

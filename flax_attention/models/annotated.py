@@ -312,14 +312,16 @@ class EncoderDecoder(nnx.Module):
 
     def encode(self, src, src_mask):
         """``src`` ``(b, s)`` ids, ``src_mask`` ``(b, 1, s)`` -> ``memory`` ``(b, s, d)``."""
-        src_mask = _check_mask("src_mask", src_mask, src, src.shape[1] if _ndim(src) == 2 else 0)
+        tokens = np.shape(src)[1] if _ndim(src) == 2 else 0
+        src_mask = _check_mask("src_mask", src_mask, np.shape(src)[0], tokens, tokens)
         return self.encoder(_embed(self.src_embed, "src", src), src_mask)
 
     def decode(self, memory, src_mask, tgt, tgt_mask):
         """``tgt`` ``(b, t)`` ids and ``tgt_mask`` ``(b, t, t)`` on ``memory`` ``(b, s, d)``
         -> ``(b, t, d)``."""
-        src_mask = _check_mask("src_mask", src_mask, memory, memory.shape[1])
-        tgt_mask = _check_mask("tgt_mask", tgt_mask, tgt, tgt.shape[1] if _ndim(tgt) == 2 else 0)
+        tokens = np.shape(tgt)[1] if _ndim(tgt) == 2 else 0
+        src_mask = _check_mask("src_mask", src_mask, memory.shape[0], tokens, memory.shape[1])
+        tgt_mask = _check_mask("tgt_mask", tgt_mask, np.shape(tgt)[0], tokens, tokens)
         return self.decoder(_embed(self.tgt_embed, "tgt", tgt), memory, src_mask, tgt_mask)
 
     def model_axis_sizes(self) -> dict[str, int]:
@@ -357,6 +359,12 @@ def _embed(embed, name: str, ids):
         raise ValueError(f"{name}.ndim ({_ndim(ids)}, shape {np.shape(ids)}) must be 2 (b, tokens)")
     if not jnp.issubdtype(jnp.asarray(ids).dtype, jnp.integer):
         raise TypeError(f"{name} (dtype {jnp.asarray(ids).dtype}) must hold integer token ids")
+    table = embed[1].pe.shape[1]
+    if np.shape(ids)[1] > table:
+        raise ValueError(
+            f"{name} tokens ({np.shape(ids)[1]}) must not exceed the positional table's max_len "
+            f"({table})"
+        )
     vocab = embed[0].lut.num_embeddings
     if not isinstance(ids, jax.core.Tracer) and np.asarray(ids).size:
         low, high = int(np.min(ids)), int(np.max(ids))
@@ -367,15 +375,13 @@ def _embed(embed, name: str, ids):
     return embed[1](embed[0](ids))
 
 
-def _check_mask(name: str, mask, x, keys: int):
-    """``mask`` must broadcast to ``(b, q, keys)`` over the batch of ``x`` (3-D)."""
-    shape = np.shape(mask)
-    batch = np.shape(x)[0]
-    if len(shape) != 3 or shape[0] not in (1, batch) or shape[2] != keys:
-        raise ValueError(
-            f"{name}.shape ({shape}) must broadcast to (batch {batch}, q, {keys} keys): "
-            f"(b or 1, 1 or q, {keys})"
-        )
+def _check_mask(name: str, mask, batch: int, queries: int | None, keys: int):
+    """``mask`` must broadcast to ``(batch, queries, keys)`` (3-D; ``queries`` ``None``: any)."""
+    shape = tuple(np.shape(mask))
+    rows_ok = len(shape) == 3 and (queries is None or shape[1] in (1, queries))
+    if not rows_ok or shape[0] not in (1, batch) or shape[2] != keys:
+        rows = "q" if queries is None else f"{queries} or 1"
+        raise ValueError(f"{name}.shape ({shape}) must broadcast to ({batch} or 1, {rows}, {keys})")
     return mask
 
 
@@ -633,7 +639,7 @@ def greedy_decode(model: EncoderDecoder, src, src_mask, max_len: int, start_symb
         if low < 0 or high >= src_vocab:
             raise ValueError(f"src (ids {low}..{high}) must lie in 0..{src_vocab - 1}")
     src = jnp.asarray(src)
-    _check_mask("src_mask", src_mask, src, src.shape[1] if _ndim(src) == 2 else 0)
+    _check_mask("src_mask", src_mask, src.shape[0], None, src.shape[1] if _ndim(src) == 2 else 0)
     dropouts = [node for _, node in nnx.iter_graph(model) if isinstance(node, nnx.Dropout)]
     modes = [dropout.deterministic for dropout in dropouts]
     model.eval()
