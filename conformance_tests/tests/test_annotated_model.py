@@ -20,6 +20,7 @@ from flax import nnx
 import flax_attention as fa
 from conformance_tests import annotated_model as post
 from conformance_tests.tolerances import TOLERANCES
+from flax_attention import models
 from flax_attention.models import annotated
 
 V, N, D_MODEL, D_FF, H = 11, 2, 32, 64, 4
@@ -86,8 +87,9 @@ def batch():
     return src, tgt
 
 
-def test_state_dict_has_the_posts_names_and_goes_both_ways_bit_for_bit(weights):
-    model = _flax(weights)
+def test_state_dict_has_the_posts_names_and_goes_both_ways_bit_for_bit(weights, tmp_path):
+    torch.save(_twin().state_dict(), tmp_path / "post.pt")  # the post's model saved by torch
+    model = _flax(models.read_pth(tmp_path / "post.pt"))
     exported = fa.state_dict(model)
     assert list(exported) == list(weights) or set(exported) == set(weights)
     for key, value in weights.items():
