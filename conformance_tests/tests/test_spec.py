@@ -319,3 +319,17 @@ def test_a_corrupted_model_weight_fails_the_model_rows(monkeypatch, tmp_path):
         (case.name, check, False) for case in spec.MODEL_CASES for check in ("forward", "grad")
     ]
     assert all(r["err_over_bound"] > 1 for r in rows), rows
+
+
+def test_the_docs_list_every_whole_model_case_and_its_rows():
+    """docs/conformance.md's table of the whole models names every case, and its printed rows
+    are the rows the report gives, in its order."""
+    import pathlib
+    import re
+
+    docs = pathlib.Path(__file__).resolve().parents[2] / "docs" / "conformance.md"
+    section = docs.read_text().split("## The whole models\n", 1)[1].split("\n## ", 1)[0]
+    table = re.findall(r"^\| `(\w+)` \|", section, re.M)
+    assert table == [c.name for c in spec.MODEL_CASES], table
+    printed = re.findall(r"^(model_\w+) +cpu +float32 +(\S+) ", section, re.M)
+    assert printed == MODEL_ROWS, printed
