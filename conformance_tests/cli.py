@@ -1,9 +1,10 @@
 """``python -m conformance_tests``: the parity report on every backend present.
 
-One row per case, check and dtype: case, backend, dtype, check, max abs error, max rel error,
-tolerance, the bound the worst tensor was held against (``tol * max(1, max|reference|)``) and its
-error over that bound, pass/fail. Exits 1 if any row fails. ``--mesh 2x4`` runs the Flax side
-sharded over a device mesh (the backend column says ``cpu[mesh 2x4]``).
+One row per case, check and dtype (the layers' and functions' cases, then the whole models'):
+case, backend, dtype, check, max abs error, max rel error, tolerance, the bound the worst tensor
+was held against (``tol * max(1, max|reference|)``) and its error over that bound, pass/fail.
+Exits 1 if any row fails. ``--mesh 2x4`` runs the Flax side sharded over a device mesh (the
+backend column says ``cpu[mesh 2x4]``; the whole models are skipped there).
 
 The report needs torch (and matplotlib for ``--plots``): the ``report`` extra. Without them it
 prints what to install and exits 2, before importing either.
@@ -21,7 +22,7 @@ import time
 from typing import TYPE_CHECKING
 
 from conformance_tests.progress import progress_bar
-from conformance_tests.spec import CHECKS, select
+from conformance_tests.spec import CHECKS, MODEL_CASES, select
 
 if TYPE_CHECKING:
     from conformance_tests import harness
@@ -71,7 +72,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="run only this dtype (repeatable); float32 runs every check, bfloat16/float16 run "
         "the Flax forward pass in that dtype against float32 torch; default: all three",
     )
-    parser.add_argument("--cases", metavar="PATTERN", help="glob over case names, e.g. 'doc_*'")
+    parser.add_argument(
+        "--cases",
+        metavar="PATTERN",
+        help="glob over case names, e.g. 'doc_*'; 'model_*' runs the whole models "
+        f"({', '.join(c.name for c in MODEL_CASES)}: forward, grad and train rows)",
+    )
     parser.add_argument(
         "--checks", metavar="LIST", help=f"comma-separated subset of {','.join(CHECKS)}"
     )
@@ -210,7 +216,10 @@ def main(argv=None) -> int:
     summary = f"{len(rows) - len(failed)} passed, {len(failed)} failed"
     if args.mesh:
         n_skipped = sum(1 for reason in skipped.values() if reason)
-        summary += f", {n_skipped} case(s) skipped (sizes that do not divide over the mesh)"
+        summary += (
+            f", {n_skipped} case(s) skipped (sizes that do not divide over the mesh, or whole "
+            "models: one device only)"
+        )
     print(f"\n{summary} ({time.perf_counter() - start:.1f} s)")
     _write_outputs(args, rows)
     if not rows:

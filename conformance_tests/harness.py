@@ -13,6 +13,7 @@ tensor. The parts, one concern each:
 | ``compare.py`` | ``Row``, ``compare`` (the pass rule, each tensor's bound), ``make_row`` |
 | ``optimisers.py`` | torch and optax optimisers with matched hyperparameters (Adam as torch's) |
 | ``checks/`` | one module per check: forward, grad, train, dropout, mask, dtype |
+| ``whole_models.py`` | the whole-model cases (``spec.MODEL_CASES``): forward, grad, train |
 | ``parity.py`` | the same checks on a user's own pair |
 """
 
@@ -47,13 +48,14 @@ from conformance_tests.pairs import (
     flax_forward,
     make_inputs,
     make_mask,
-    mesh_skip_reason,
     named,
     output_names,
     prepare,
     subject_of,
 )
-from conformance_tests.spec import Case
+from conformance_tests.pairs import mesh_skip_reason as _layer_mesh_skip_reason
+from conformance_tests.spec import Case, ModelCase
+from conformance_tests.whole_models import MESH_SKIP_REASON, run_model_case
 
 __all__ = [
     "CHECK_FUNCTIONS",
@@ -93,9 +95,23 @@ __all__ = [
 ]
 
 
-def run_case(case: Case, check: str, backend: Backend, dtype: str = "float32", workdir=None):
+def mesh_skip_reason(case: Case | ModelCase, backend: Backend) -> str | None:
+    """Why ``case`` cannot run on ``backend.mesh``, or ``None``: a layer size that does not
+    divide over the mesh's ``model`` axis; a whole model (run on one device only)."""
+    if isinstance(case, ModelCase):
+        return None if backend.mesh is None else MESH_SKIP_REASON
+    return _layer_mesh_skip_reason(case, backend)
+
+
+def run_case(
+    case: Case | ModelCase, check: str, backend: Backend, dtype: str = "float32", workdir=None
+):
     """Rows of one check of one case on one backend. ``dtype`` other than float32 runs the
-    ``dtype`` check (a forward pass of the Flax side in that dtype)."""
+    ``dtype`` check (a forward pass of the Flax side in that dtype). A whole-model case
+    (``spec.MODEL_CASES``) runs in ``whole_models.py``."""
+    if isinstance(case, ModelCase):
+        with backend.scope():
+            return run_model_case(case, check, backend, dtype)
     with contextlib.ExitStack() as stack:
         if workdir is None:
             workdir = stack.enter_context(tempfile.TemporaryDirectory())

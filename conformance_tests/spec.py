@@ -24,7 +24,19 @@ from dataclasses import dataclass, field
 
 from conformance_tests.layers import LAYER_SPECS, LayerSpec, layer_spec
 
-__all__ = ["Case", "CASES", "CHECKS", "LAYERS", "FUNCTIONS", "is_shift_invariant", "select"]
+__all__ = [
+    "ALL_CASES",
+    "CASES",
+    "CHECKS",
+    "Case",
+    "FUNCTIONS",
+    "LAYERS",
+    "MODEL_CASES",
+    "MODEL_CHECKS",
+    "ModelCase",
+    "is_shift_invariant",
+    "select",
+]
 
 #: Every check a case may run; each is a row kind of the report.
 CHECKS = ("forward", "grad", "train", "dropout", "mask", "dtype")
@@ -364,15 +376,79 @@ CASES: tuple[Case, ...] = (
 #: Parameters whose true gradient is exactly zero: softmax ignores a shift shared by all keys,
 #: and the key bias adds ``q . b_k`` to every key's score of a query. Adam turns rounding noise in
 #: their gradients into full-size steps, so ``train`` checks them by their (nil) effect and their
-#: gradients, not by their values (see the README).
-SHIFT_INVARIANT_SUFFIXES = ("W_key.bias", "proj_weights.1.bias")
+#: gradients, not by their values (see the README). ``linears.1.bias``: the key projection of
+#: the Annotated Transformer's whole model (``annotated_model.py``, the post's attribute names).
+SHIFT_INVARIANT_SUFFIXES = ("W_key.bias", "proj_weights.1.bias", "linears.1.bias")
 
 
 def is_shift_invariant(torch_name: str) -> bool:
     return torch_name.endswith(SHIFT_INVARIANT_SUFFIXES)
 
 
-def select(pattern: str | None = None, cases=CASES) -> list[Case]:
+# ---- whole models ---------------------------------------------------------------------------
+
+
+#: The checks a whole-model case runs (``whole_models.py``): no dropout, mask or dtype rows.
+MODEL_CHECKS = ("forward", "grad", "train")
+
+
+@dataclass(frozen=True)
+class ModelCase:
+    """A whole model of ``flax_attention.models`` against its torch twin in ``conformance_tests``.
+
+    Attributes:
+      name: unique id (report rows use it); the cases start ``model_``.
+      model: ``"GPTModel"`` (the book's, twin ``book_gpt.py``) or ``"annotated"`` (the
+        Annotated Transformer's encoder-decoder, twin ``annotated_model.py``).
+      config: the model's sizes as ``(key, value)`` pairs (the tests' small sizes).
+      checks: a subset of ``MODEL_CHECKS``.
+      seed: ``torch.manual_seed`` for the twin's weights; NumPy seed for the batches.
+      steps: the ``train`` check's optimiser steps.
+      note: why the case is here.
+    """
+
+    name: str
+    model: str
+    config: tuple[tuple[str, object], ...]
+    checks: tuple[str, ...] = MODEL_CHECKS
+    seed: int = 0
+    steps: int = 20
+    note: str = ""
+    tags: tuple[str, ...] = field(default=())
+
+
+MODEL_CASES: tuple[ModelCase, ...] = (
+    ModelCase(
+        "model_gpt_book",
+        "GPTModel",
+        (
+            ("vocab_size", 97),
+            ("context_length", 16),
+            ("emb_dim", 32),
+            ("n_heads", 2),
+            ("n_layers", 2),
+            ("drop_rate", 0.0),
+            ("qkv_bias", True),
+        ),
+        note="the book's chapter 4 GPTModel (qkv_bias on: every key of GPT-2's checkpoints) on "
+        "batches of 2 x 16 token ids: logits and chapter 5's loss, every parameter's gradient "
+        "of that loss, 20 AdamW steps of chapter 5's loop (lr 4e-4, weight decay 0.1)",
+    ),
+    ModelCase(
+        "model_annotated_post",
+        "annotated",
+        (("V", 11), ("N", 2), ("d_model", 32), ("d_ff", 64), ("h", 4)),
+        note="the Annotated Transformer's make_model, every dropout 0: encoder memory, decoder "
+        "output and log-probs of a padded batch, every gradient of the label-smoothed loss "
+        "(smoothing 0.1), 20 Adam steps of the copy task on the post's schedule",
+    ),
+)
+
+#: Every case the report runs: the layers' and functions', then the whole models'.
+ALL_CASES: tuple[Case | ModelCase, ...] = CASES + MODEL_CASES
+
+
+def select(pattern: str | None = None, cases=ALL_CASES) -> list[Case | ModelCase]:
     """The cases whose name matches the glob ``pattern`` (all when ``None``)."""
     if not pattern:
         return list(cases)

@@ -15,11 +15,11 @@ Hypothesis profiles for ``test_fuzz.py``, chosen with ``HYPOTHESIS_PROFILE`` (de
 (``-n 2``) ask for it; ``launch_processes`` launches JAX processes.
 
 Under ``pytest -n 2`` (the README's command) the tests that share such a step (``ONCE_PER_RUN``:
-the sharded tests' inner pytest, the two-process launch, the benchmarks' quick runs) are
-collected first, so that the first worker takes all of them in its first batch of tests and
-starts the steps at once: no worker then waits for a step another one is running, and no
-minute-long step is left for the end of the run. Each worker's torch uses its share of the
-cores.
+the sharded tests' inner pytest, the two-process launch, the benchmarks' quick runs, the
+report's whole-model cases) are collected first, so that the first worker takes all of them in
+its first batch of tests and starts the steps at once: no worker then waits for a step another
+one is running, and no minute-long step is left for the end of the run. Each worker's torch uses
+its share of the cores.
 """
 
 import functools
@@ -76,6 +76,7 @@ ONCE_PER_RUN = (
     "two_processes",  # test_multiprocess.py: examples/multiprocess.py as 2 JAX processes
     "quick_run",  # benchmarks/tests: python -m benchmarks --quick
     "blas_run",  # benchmarks/tests/test_blas.py: python -m benchmarks.blas --quick
+    "model_report",  # test_spec.py: python -m conformance_tests --cases 'model_*'
 )
 
 

@@ -3,7 +3,9 @@ and proof that every check can fail."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import io
 import json
 
 import jax.numpy as jnp
@@ -16,6 +18,7 @@ import flax_attention.core as core
 import torch_reference as tr
 from conformance_tests import cli, harness, spec
 from conformance_tests.layers import LAYER_SPECS
+from conformance_tests.tolerances import TOLERANCES
 
 CPU = harness.backends(["cpu"])[0]
 PLAN = list(harness.planned(spec.CASES))
@@ -44,8 +47,12 @@ def test_spec_case(case, check, dtype, tmp_path):
 
 
 def test_every_case_name_is_unique_and_every_layer_covered():
-    names = [c.name for c in spec.CASES]
+    names = [c.name for c in spec.ALL_CASES]
     assert len(names) == len(set(names))
+    assert spec.ALL_CASES == spec.CASES + spec.MODEL_CASES
+    assert all(c.name.startswith("model_") for c in spec.MODEL_CASES)
+    assert not [c.name for c in spec.CASES if c.name.startswith("model_")]
+    assert {c.model for c in spec.MODEL_CASES} == {"GPTModel", "annotated"}
     assert {c.layer for c in spec.CASES} == set(spec.LAYERS) | set(spec.FUNCTIONS)
     assert set(spec.LAYERS) | set(spec.FUNCTIONS) == set(LAYER_SPECS)
 
@@ -191,3 +198,138 @@ def test_report_rows_have_the_api_fields(tmp_path):
         assert r["bound"] >= r["tol"] and r["err_over_bound"] <= 1 and r["passed"], r
     assert {r["dtype"] for r in rows} == {"float32"}
     assert np.isfinite([r["max_abs_err"] for r in rows]).all()
+
+
+# ---- the whole models -------------------------------------------------------------------------
+
+#: The rows the whole-model cases give, in the report's order.
+MODEL_ROWS = [
+    (case.name, check)
+    for case in spec.MODEL_CASES
+    for check in (
+        "forward",
+        "grad",
+        {"GPTModel": "train/adamw", "annotated": "train/adam"}[case.model],
+        "train/key_bias",
+    )
+]
+
+
+def _twin_of(case):
+    """The case's torch twin (weights as drawn: only its names are read)."""
+    from conformance_tests import annotated_model, book_gpt
+
+    cfg = dict(case.config)
+    if case.model == "GPTModel":
+        return book_gpt.GPTModel(cfg)
+    sizes = {k: cfg[k] for k in ("N", "d_model", "d_ff", "h")}
+    return annotated_model.make_model(cfg["V"], cfg["V"], **sizes)
+
+
+@pytest.fixture(scope="module")
+def model_report(once_per_run):
+    """``python -m conformance_tests --cases 'model_*'`` in this process, once per test run:
+    ``(exit status, JSON rows, printed lines)``."""
+
+    def run(out):
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            code = cli.main(["--cases", "model_*", "--json", str(out / "report.json")])
+        (out / "run.json").write_text(json.dumps([code, printed.getvalue()]))
+
+    out = once_per_run("model_report", run)
+    code, printed = json.loads((out / "run.json").read_text())
+    return code, json.loads((out / "report.json").read_text()), printed.splitlines()
+
+
+def test_the_whole_models_rows_pass_in_the_json_and_are_printed(model_report):
+    code, rows, printed = model_report
+    assert code == 0, "\n".join(printed)
+    assert [(r["case"], r["check"]) for r in rows] == MODEL_ROWS
+    fields = set(inspect.signature(harness.Row).parameters)
+    for r in rows:  # the layers' fields, each row within its own entry of the table
+        assert set(r) == fields, r
+        assert r["backend"] == "cpu" and r["dtype"] == "float32", r
+        key = "forward" if r["check"] == "forward" else r["check"].split("/")[0]
+        assert r["tol"] == TOLERANCES[("float32", key)], r
+        assert r["passed"] and 0 < r["err_over_bound"] <= 1 and r["bound"] >= r["tol"], r
+    parameters = {  # the twins' parameter names: the rows name tensors as torch does
+        case.name: {n for n, _ in _twin_of(case).named_parameters()} for case in spec.MODEL_CASES
+    }
+    for r in rows:
+        worst, names = r["worst"], parameters[r["case"]]
+        if r["check"] == "grad":
+            assert worst in names, r
+        elif r["check"] == "train/key_bias":
+            assert worst.startswith(("grad ", "output after new key biases")), r
+        elif r["check"].startswith("train/"):
+            tensor, _, step = worst.rpartition("@")
+            assert worst.endswith("(trained)") or tensor in names | {"loss"}, r
+            assert worst.endswith("(trained)") or 1 <= int(step) <= 20, r
+    for row in rows:
+        line = cli._format(harness.Row(**row), "cpu")
+        assert line in printed, f"{line!r} not printed"
+    assert f"{len(rows)} passed, 0 failed" in printed[-1]
+
+
+def test_the_model_train_rows_leave_out_only_the_key_biases():
+    """The trajectories compare every parameter but the key projections' biases at each
+    snapshot, and every step's loss; those biases are held by the ``train/key_bias`` row."""
+    from conformance_tests import whole_models
+
+    names = ["att.W_key.bias", "att.W_query.bias", "self_attn.linears.1.bias", "linears.0.bias"]
+    snaps = [{n: np.zeros(2) for n in names}] * 2
+    reference, actual = whole_models._trajectory(
+        names, [3.0, 2.0], [3.0, 2.0], snaps, snaps, [1, 2]
+    )
+    expected = {"loss@1", "loss@2"} | {
+        f"{n}@{at}" for n in ("att.W_query.bias", "linears.0.bias") for at in (1, 2)
+    }
+    assert set(reference) == set(actual) == expected
+
+
+def test_help_names_the_whole_model_cases(capsys):
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "'model_*' runs the whole models" in text
+    for case in spec.MODEL_CASES:
+        assert case.name in text
+
+
+def test_a_corrupted_model_weight_fails_the_model_rows(monkeypatch, tmp_path):
+    """One entry of each model's first weight off by 1e-2 when the Flax model is loaded: the
+    forward and grad rows of both cases fail, and the report exits 1."""
+    from conformance_tests import whole_models
+
+    original = fa.load_state_dict
+
+    def corrupted(module, state, strict=True, **kwargs):
+        state = dict(state)
+        if strict:  # the whole model's load (the key-bias row loads a few biases, non-strict)
+            first = next(k for k in state if state[k].ndim == 2)
+            state[first] = state[first].copy()
+            state[first].flat[0] += 1e-2
+        return original(module, state, strict=strict, **kwargs)
+
+    monkeypatch.setattr(whole_models.fa, "load_state_dict", corrupted)
+    code, rows = _report(tmp_path, "--cases", "model_*", "--checks", "forward,grad")
+    assert code == 1
+    assert [(r["case"], r["check"], r["passed"]) for r in rows] == [
+        (case.name, check, False) for case in spec.MODEL_CASES for check in ("forward", "grad")
+    ]
+    assert all(r["err_over_bound"] > 1 for r in rows), rows
+
+
+def test_the_docs_list_every_whole_model_case_and_its_rows():
+    """docs/conformance.md's table of the whole models names every case, and its printed rows
+    are the rows the report gives, in its order."""
+    import pathlib
+    import re
+
+    docs = pathlib.Path(__file__).resolve().parents[2] / "docs" / "conformance.md"
+    section = docs.read_text().split("## The whole models\n", 1)[1].split("\n## ", 1)[0]
+    table = re.findall(r"^\| `(\w+)` \|", section, re.M)
+    assert table == [c.name for c in spec.MODEL_CASES], table
+    printed = re.findall(r"^(model_\w+) +cpu +float32 +(\S+) ", section, re.M)
+    assert printed == MODEL_ROWS, printed
