@@ -24,9 +24,14 @@ configuration. Sections:
 - ``parts``: the whole model's pieces (LayerNorm, the attention's projections and core, the MLP,
   a whole layer, the tied head with the loss, the embeddings) forward and forward+backward,
   each against transformers' own.
+- ``annotated``: the Annotated Transformer's encoder-decoder (``flax_attention.models.annotated``)
+  at the post's copy-task size against its torch twin written from the post's code
+  (``conformance_tests/annotated_model.py``): a copy-task training step, and batched
+  ``greedy_decode`` against the post's loop row by row and the same loop batched in torch.
 
 Every timed Flax module holds the torch module's ``state_dict`` (``flax_attention.load_state_dict``;
-the whole model: ``GPTModel.from_pretrained`` of the transformers model's ``save_pretrained``)
+the whole model: ``GPTModel.from_pretrained`` of the transformers model's ``save_pretrained``;
+the Annotated Transformer's: its twin's ``state_dict``)
 and its outputs are compared with torch before timing; rows record the max difference.
 """
 
@@ -39,7 +44,8 @@ INSTALL = (
 
 #: The keys of every JSON row (``None`` where a field does not apply to the row's section).
 ROW_FIELDS = (
-    "section",  # speed | memory | decode | compile | generate | prefill | train | parts | targets
+    "section",  # speed | memory | decode | compile | generate | prefill | train | parts |
+    # annotated | targets
     "case",  # e.g. "b8_t1024"
     "mode",  # forward | forward+backward | generate | recompute | steps@16 | compile ...
     "framework",  # flax | torch (generate's read-bandwidth rows: numpy | jax | torch)
@@ -52,7 +58,8 @@ ROW_FIELDS = (
     "min_ms",
     "value",  # the section's quantity: MB (memory), tokens/s (decode), s (compile)
     "unit",
-    "ratio_vs_eager",  # time / torch-eager time, same run (speed), or speedup (decode)
+    "ratio_vs_eager",  # time / torch-eager time, same run (speed, annotated's train step), or
+    # speedup (decode; annotated's greedy decode: over the post's loop batched in torch)
     "ratio_vs_sdpa",  # time / torch-SDPA time, same run (speed, memory)
     "ratio",  # another ratio, described by ratio_of (decode speedup, flatness, targets)
     "ratio_of",

@@ -25,6 +25,11 @@ baseline; dashed, the target of ``benchmarks.targets`` where there is one):
 - ``prefill``, ``train``: Flax time / transformers' (``ratio_vs_sdpa``), one panel per mode;
   target ``benchmarks.targets.MODEL_TARGETS``.
 
+- ``annotated``: the Annotated Transformer's training step, Flax time / the torch twin's
+  (``ratio_vs_eager``; target ``benchmarks.targets.ANNOTATED_TARGETS``), and greedy decoding's
+  tokens/s / the post's loop run row by row (``ratio``) for Flax ``greedy_decode`` and the
+  post's loop batched in torch (target ``ANNOTATED_TARGETS``).
+
 ``compile`` (seconds, no ratio) and ``targets`` have no chart.
 """
 
@@ -37,7 +42,12 @@ import os
 import sys
 
 from benchmarks import INSTALL
-from benchmarks.targets import DECODE_SPEEDUP_TARGET, MODEL_TARGETS, SPEED_TARGETS
+from benchmarks.targets import (
+    ANNOTATED_TARGETS,
+    DECODE_SPEEDUP_TARGET,
+    MODEL_TARGETS,
+    SPEED_TARGETS,
+)
 
 __all__ = [
     "CHART_SECTIONS",
@@ -55,7 +65,7 @@ __all__ = [
 ]
 
 #: The sections whose rows hold ratios, in the order the CLI runs them.
-CHART_SECTIONS = ("speed", "memory", "decode", "generate", "prefill", "train")
+CHART_SECTIONS = ("speed", "memory", "decode", "generate", "prefill", "train", "annotated")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,6 +163,8 @@ def chart_data(rows: list[dict], section: str) -> Chart:
             panels, title = _generate_panels(rows)
         case "prefill" | "train":
             panels, title = _prefill_train_panels(rows, section)
+        case "annotated":
+            panels, title = _annotated_panels(rows)
     panels = [p for p in panels if p.groups]
     if not panels:
         raise ValueError(f"rows hold no measured ratio of section ({section!r})")
@@ -262,6 +274,27 @@ def _prefill_train_panels(rows, section):
         else "Train: one optimiser step, Flax train_step / transformers + torch AdamW"
     )
     return panels, title
+
+
+def _annotated_panels(rows):
+    """``(panels, title)``: the training step's time over the twin's, and greedy decoding's
+    tokens/s over the post's loop per row."""
+    goal = ANNOTATED_TARGETS["train step / torch twin"]
+    train = _panel(
+        _with(rows, "ratio_vs_eager", mode="train step", framework="flax"), "ratio_vs_eager",
+        "copy-task train step", "Flax time / the torch twin's (< 1: faster)", "torch twin",
+        goal, f"target <= {goal:g}", label=lambda key: f"Flax {key}",
+    )  # fmt: skip
+    goal = ANNOTATED_TARGETS["greedy_decode / the post's loop per row"]
+    decode = _panel(
+        [r for r in _with(rows, "ratio", mode="greedy decode")
+         if r["implementation"] != "post_per_row"], "ratio",
+        "greedy decode: tokens/s over the post's loop per row", "tokens/s / the post's loop's",
+        "the post's loop, row by row", goal, f"target >= {goal:g}",
+        label=lambda key: {"greedy_decode": "Flax greedy_decode",
+                           "post_batched": "the post's loop batched (torch)"}.get(key, key),
+    )  # fmt: skip
+    return [train, decode], "Annotated Transformer: Flax against the post's torch code"
 
 
 def charted_sections(rows: list[dict]) -> list[str]:

@@ -7,7 +7,17 @@ import dataclasses
 
 __all__ = ["Config", "FULL", "QUICK", "SECTIONS", "parse_shape"]
 
-SECTIONS = ("speed", "memory", "decode", "compile", "generate", "prefill", "train", "parts")
+SECTIONS = (
+    "speed",
+    "memory",
+    "decode",
+    "compile",
+    "generate",
+    "prefill",
+    "train",
+    "parts",
+    "annotated",
+)
 
 
 def parse_shape(text: str) -> tuple[int, int]:
@@ -81,6 +91,17 @@ class Config:
     # parts: the model's pieces (one layer's, the head, the embeddings) against transformers'
     parts_shape: tuple[int, int] = (8, 256)
     parts_repeats: int = 7
+    # annotated: the Annotated Transformer's model against its torch twin, the post's copy-task
+    # size (vocabulary V, N layers each side, d_model, d_ff, h heads)
+    annotated_model: dict = dataclasses.field(
+        default_factory=lambda: {"V": 11, "N": 2, "d_model": 512, "d_ff": 2048, "h": 8}
+    )
+    #: A copy-task training step: rows of 10 ids (the post's batch of 80).
+    annotated_train_rows: int = 80
+    #: Greedy decoding: (rows, source tokens) padded, and ids out per row (start symbol included).
+    annotated_decode_shape: tuple[int, int] = (8, 64)
+    annotated_max_len: int = 64
+    annotated_repeats: int = 3
 
     def repeats_for(self, shape) -> int:
         return self.speed_repeats.get(tuple(shape), self.default_repeats)
@@ -122,4 +143,9 @@ QUICK = Config(
     train_repeats=1,
     parts_shape=(2, 16),
     parts_repeats=1,
+    annotated_model={"V": 11, "N": 1, "d_model": 32, "d_ff": 64, "h": 4},
+    annotated_train_rows=8,
+    annotated_decode_shape=(2, 8),
+    annotated_max_len=8,
+    annotated_repeats=1,
 )

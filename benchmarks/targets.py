@@ -27,6 +27,7 @@ from __future__ import annotations
 from benchmarks.rows import make_row
 
 __all__ = [
+    "ANNOTATED_TARGETS",
     "COMPILE_LIMIT_S",
     "DECODE_SPEEDUP_TARGET",
     "EAGER_SPEEDUP_MILESTONE",
@@ -59,6 +60,12 @@ MODEL_TARGETS = {
 }
 #: How the targets rows name where each of ``MODEL_TARGETS`` comes from.
 MODEL_TARGET_SOURCE = "project goal for the model"
+#: The Annotated Transformer's model (section annotated): a training step's time over the torch
+#: twin's, at most; ``greedy_decode``'s tokens/s over the post's loop run row by row, at least.
+ANNOTATED_TARGETS = {
+    "train step / torch twin": 1.0,
+    "greedy_decode / the post's loop per row": 5.0,
+}
 
 
 def _find(rows, **match):
@@ -85,6 +92,7 @@ def target_rows(rows: list[dict]) -> list[dict]:
         add(f"{row['case']} default forward: compile < {COMPILE_LIMIT_S:g} s", row["value"], "s",
             row["value"] < COMPILE_LIMIT_S, row["case"])  # fmt: skip
     _model_targets(rows, add)
+    _annotated_targets(rows, add)
     return out
 
 
@@ -142,3 +150,17 @@ def _model_targets(rows, add) -> None:
         for row in _find(rows, section=section, framework="flax"):
             add(f"{row['case']} {row['mode']}: time / transformers' <= {goal:g} ({source})",
                 row["ratio_vs_sdpa"], "", row["ratio_vs_sdpa"] <= goal, row["case"])  # fmt: skip
+
+
+def _annotated_targets(rows, add) -> None:
+    """The ``ANNOTATED_TARGETS`` rows."""
+    source = MODEL_TARGET_SOURCE
+    goal = ANNOTATED_TARGETS["train step / torch twin"]
+    for row in _find(rows, section="annotated", framework="flax", mode="train step"):
+        add(f"{row['case']} annotated train step: time / the torch twin's <= {goal:g} ({source})",
+            row["ratio_vs_eager"], "", row["ratio_vs_eager"] <= goal, row["case"])  # fmt: skip
+    goal = ANNOTATED_TARGETS["greedy_decode / the post's loop per row"]
+    for row in _find(rows, section="annotated", framework="flax", mode="greedy decode"):
+        add(f"{row['case']} annotated greedy_decode: >= {goal:g}x the tokens/s of the post's "
+            f"loop per row ({source})", row["ratio"], "x", row["ratio"] >= goal,
+            row["case"])  # fmt: skip

@@ -15,7 +15,12 @@ import pytest
 
 from benchmarks import charts, cli
 from benchmarks.rows import make_row
-from benchmarks.targets import DECODE_SPEEDUP_TARGET, MODEL_TARGETS, SPEED_TARGETS
+from benchmarks.targets import (
+    ANNOTATED_TARGETS,
+    DECODE_SPEEDUP_TARGET,
+    MODEL_TARGETS,
+    SPEED_TARGETS,
+)
 from benchmarks.tests.helpers import HAVE_MATPLOTLIB
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -95,6 +100,23 @@ def test_memory_decode_and_generate_charts_hold_the_rows_ratios(quick_run):
         assert _bars(chart) == len(flax)
 
 
+def test_annotated_chart_holds_the_train_and_decode_ratios(quick_run):
+    rows = quick_run.data["rows"]
+    chart = charts.chart_data(rows, "annotated")
+    train, decode = chart.panels
+    (flax,) = [r for r in _measured(rows, "annotated") if r["mode"] == "train step"
+               and r["framework"] == "flax"]  # fmt: skip
+    assert train.value("train_step", flax["case"]) == flax["ratio_vs_eager"]
+    assert train.target == ANNOTATED_TARGETS["train step / torch twin"]
+    decoded = {r["implementation"]: r for r in _measured(rows, "annotated")
+               if r["mode"] == "greedy decode"}  # fmt: skip
+    for key in ("greedy_decode", "post_batched"):
+        assert decode.value(key, decoded[key]["case"]) == decoded[key]["ratio"], key
+    assert "post_per_row" not in {s.key for s in decode.series}  # the line at 1.0
+    assert decode.target == ANNOTATED_TARGETS["greedy_decode / the post's loop per row"]
+    assert _bars(chart) == 3
+
+
 def test_chart_data_of_hand_made_rows():
     def speed(mode, implementation, ratio, resolved=None, skipped=False, case="b8_t256"):
         framework = "torch" if implementation in ("eager", "sdpa") else "flax"
@@ -145,7 +167,7 @@ def test_caption_names_the_machine_and_the_command(quick_run):
 def test_redraw_from_json_gives_the_same_data(quick_run):
     loaded = charts.load_results(quick_run.json_path)
     sections = charts.charted_sections(loaded["rows"])
-    assert sections == ["speed", "memory", "decode", "generate", "prefill", "train"]
+    assert sections == ["speed", "memory", "decode", "generate", "prefill", "train", "annotated"]
     for section in sections:
         again = charts.chart_data(loaded["rows"], section)
         assert again == charts.chart_data(quick_run.data["rows"], section), section
@@ -155,7 +177,8 @@ def test_redraw_from_json_gives_the_same_data(quick_run):
 def test_charts_flag_writes_one_png_per_section_and_a_redraw_the_same(quick_run, tmp_path, capsys):
     written = sorted(p.name for p in quick_run.chart_dir.iterdir())
     assert written == [
-        "decode.png", "generate.png", "memory.png", "prefill.png", "speed.png", "train.png"
+        "annotated.png", "decode.png", "generate.png", "memory.png", "prefill.png", "speed.png",
+        "train.png",
     ]  # fmt: skip
     for name in written:
         data = (quick_run.chart_dir / name).read_bytes()

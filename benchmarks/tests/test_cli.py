@@ -14,6 +14,7 @@ import math
 import pytest
 
 from benchmarks import ROW_FIELDS
+from benchmarks.config import QUICK
 from benchmarks.parts import MODES, PARTS
 from benchmarks.rows import make_row
 from benchmarks.targets import MODEL_TARGETS, target_rows
@@ -45,6 +46,7 @@ def test_rows_have_every_field_and_every_section(quick_run):
         "prefill",
         "train",
         "parts",
+        "annotated",
         "targets",
     }, sections
 
@@ -59,7 +61,8 @@ def test_times_and_quantities_are_finite_and_positive(quick_run):
         assert math.isfinite(row["median_ms"]) and row["median_ms"] > 0, name
         if row["value"] is not None:
             assert math.isfinite(row["value"]) and row["value"] > 0, (name, row["value"])
-    for section in ("memory", "decode", "compile", "generate", "prefill", "train", "parts"):
+    for section in ("memory", "decode", "compile", "generate", "prefill", "train", "parts",
+                    "annotated"):  # fmt: skip
         assert _measured(rows, section), f"section {section} measured nothing"
 
 
@@ -80,8 +83,11 @@ def test_flax_equals_torch_in_every_compared_row(quick_run):
     compared = [r for r in rows if r["max_rel_diff"] is not None and not r["skipped"]]
     flax_rows = [r for r in compared if r["framework"] == "flax"]
     # every flax speed row (outputs; gradients w.r.t. input and every parameter), generation,
-    # the whole model's logits and its training losses, its parts' outputs and input gradients
-    assert {r["section"] for r in flax_rows} == {"speed", "decode", "prefill", "train", "parts"}
+    # the whole model's logits and its training losses, its parts' outputs and input gradients,
+    # the Annotated Transformer's training losses
+    assert {r["section"] for r in flax_rows} == {
+        "speed", "decode", "prefill", "train", "parts", "annotated"
+    }  # fmt: skip
     assert any(r["mode"] == "forward+backward" for r in flax_rows)
     for row in compared:
         name = f"{row['section']}/{row['case']}/{row['mode']}/{row['implementation']}"
@@ -165,6 +171,65 @@ def test_parts_rows_pair_every_piece_and_mode_with_transformers(quick_run):
     assert "Parts: the model's pieces" in quick_run.stdout
 
 
+def test_annotated_rows_compare_flax_with_the_posts_code(quick_run):
+    rows = _measured(quick_run.data["rows"], "annotated")
+    train = {r["framework"]: r for r in rows if r["mode"] == "train step"}
+    assert set(train) == {"flax", "torch"}
+    flax, twin = train["flax"], train["torch"]
+    rows_n = QUICK.annotated_train_rows
+    assert (flax["case"], flax["batch"], flax["tokens"]) == (f"b{rows_n}_t10", rows_n, 10)
+    assert flax["ratio_vs_eager"] == pytest.approx(flax["median_ms"] / twin["median_ms"])
+    assert twin["ratio_vs_eager"] == 1.0
+    assert flax["max_rel_diff"] is not None  # the two dropout-off losses, compared before timing
+    for row in train.values():  # tokens/s of the batch's target tokens (9 per row)
+        assert row["value"] == pytest.approx(rows_n * 9 / (row["median_ms"] / 1e3))
+        assert "dropout 0.1" in row["note"] and row["repeats"] == QUICK.annotated_repeats
+
+    decode = {r["implementation"]: r for r in rows if r["mode"] == "greedy decode"}
+    assert set(decode) == {"greedy_decode", "post_per_row", "post_batched"}
+    (batch, _), max_len = QUICK.annotated_decode_shape, QUICK.annotated_max_len
+    for row in decode.values():
+        assert row["value"] == pytest.approx(batch * (max_len - 1) / (row["median_ms"] / 1e3))
+        assert row["ratio"] == pytest.approx(row["value"] / decode["post_per_row"]["value"])
+    flax = decode["greedy_decode"]
+    assert flax["framework"] == "flax" and decode["post_batched"]["framework"] == "torch"
+    assert flax["ratio_vs_eager"] == pytest.approx(flax["value"] / decode["post_batched"]["value"])
+    # greedy tokens equal the post's loop per row, Flax's and the batched loop's
+    count = batch * max_len
+    assert f"per row {count}/{count} (the batched torch loop: {count}/{count})" in flax["note"]
+    assert "none in the timed ones" in flax["note"]
+    (compiled,) = [r for r in rows if r["mode"] == "compile"]
+    assert compiled["unit"] == "s" and compiled["value"] > 0
+
+    goals = [r for r in _measured(quick_run.data["rows"], "targets") if "annotated" in r["target"]]
+    assert [(g["case"], g["value"]) for g in goals] == [
+        (train["flax"]["case"], train["flax"]["ratio_vs_eager"]),
+        (flax["case"], flax["ratio"]),
+    ]
+    assert "Annotated: the Annotated Transformer's model" in quick_run.stdout
+
+
+def test_annotated_targets_of_hand_made_rows():
+    rows = [
+        make_row("annotated", "b80_t10", "train step", "flax", "train_step", ratio_vs_eager=1.0),
+        make_row("annotated", "b80_t10", "train step", "torch", "post", ratio_vs_eager=1.0),
+        make_row("annotated", "b8_s64_n64", "greedy decode", "flax", "greedy_decode", ratio=4.99),
+        make_row("annotated", "b8_s64_n64", "greedy decode", "torch", "post_batched", ratio=9.0),
+        make_row("annotated", "b80_t10", "train step", "flax", "train_step", ratio_vs_eager=1.01),
+        make_row("annotated", "b8_s64_n64", "greedy decode", "flax", "greedy_decode", ratio=5.0),
+    ]
+    got = [(r["target"], r["value"], r["met"]) for r in target_rows(rows)]
+    # the goals at their bounds: the train step at or under 1.0x the twin, decode at least 5x
+    train_text = ("b80_t10 annotated train step: time / the torch twin's <= 1 (project goal for "
+                  "the model)")  # fmt: skip
+    decode_text = ("b8_s64_n64 annotated greedy_decode: >= 5x the tokens/s of the post's loop per "
+                   "row (project goal for the model)")  # fmt: skip
+    assert got == [
+        (train_text, 1.0, True), (train_text, 1.01, False),
+        (decode_text, 4.99, False), (decode_text, 5.0, True),
+    ]  # fmt: skip
+
+
 def test_model_targets_of_hand_made_rows():
     def generate_row(batch, eager, sdpa):
         return make_row("generate", f"b{batch}", "generate", "flax", "generate", batch=batch,
@@ -230,5 +295,5 @@ def test_layer_targets_of_hand_made_rows():
 def test_table_on_stdout(quick_run):
     stdout = quick_run.stdout
     for title in ("Machine", "Speed:", "Memory:", "Decode:", "Compile:", "Generate:", "Prefill:",
-                  "Train:", "Targets"):  # fmt: skip
+                  "Train:", "Annotated:", "Targets"):  # fmt: skip
         assert title in stdout, f"{title!r} missing from the printed table"
