@@ -32,11 +32,20 @@ def main(argv=None) -> list[int]:
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=400)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dropout", type=float, default=0.1, help="every dropout (the post's 0.1)")
     args = parser.parse_args(argv)
 
     V = 11
     model = annotated.make_model(
-        V, V, N=2, d_model=args.d_model, d_ff=args.d_ff, h=args.heads, rngs=nnx.Rngs(args.seed)
+        V,
+        V,
+        N=2,
+        d_model=args.d_model,
+        d_ff=args.d_ff,
+        h=args.heads,
+        dropout=args.dropout,
+        attention_dropout=args.dropout,
+        rngs=nnx.Rngs(args.seed),
     )
     tx = annotated.adam(args.d_model, factor=1.0, warmup=args.warmup, base_lr=0.5)
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)

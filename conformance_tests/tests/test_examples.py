@@ -43,11 +43,12 @@ def test_linen_init_and_apply_equal_nnx(name):
 
 
 def test_the_annotated_copy_example_learns_and_decodes(capsys):
-    """The post's copy task, small (d_model 64, 10 epochs of 10 batches of 40): the loss per
-    token falls by half (2.50 -> 1.04 measured) and greedy decoding of 0..9 gives 10 ids
+    """The post's copy task, small (d_model 64, 10 epochs of 10 batches of 40, dropout 0): the
+    loss per token falls by half and greedy decoding of 0..9 gives 10 ids
     starting with the start symbol."""
     copy = runpy.run_path(str(ROOT / "examples" / "annotated_copy.py"))
-    small = "--epochs 10 --batches 10 --batch-size 40 --d-model 64 --d-ff 128 --heads 4"
+    # dropout 0: the step compiles in a third of the time (the RNG ops of 22 dropouts)
+    small = "--epochs 10 --batches 10 --batch-size 40 --d-model 64 --d-ff 128 --heads 4 --dropout 0"
     decoded = copy["main"]([*small.split(), "--warmup", "40"])
     output = capsys.readouterr().out.splitlines()
     losses = [float(line.split()[5]) for line in output if line.startswith("epoch")]
