@@ -1,4 +1,5 @@
-"""Builds the native CPU attention kernel (``flax_attention/kernels/native/attention.cc``).
+"""Builds the native CPU kernels: attention (``flax_attention/kernels/native/attention.cc``) and
+the narrow-weight products of decode steps (``narrow.cc``), one library.
 
 Everything else about the package is in ``pyproject.toml``. The kernel is an optional extension:
 where there is no C++ compiler, or jax / scipy-openblas32 headers are missing, the install goes
@@ -58,7 +59,14 @@ setup(
     ext_modules=[
         Extension(
             "flax_attention.kernels.native._attention",
-            sources=["flax_attention/kernels/native/attention.cc"],
+            sources=[
+                "flax_attention/kernels/native/attention.cc",
+                "flax_attention/kernels/native/narrow.cc",
+            ],
+            depends=[
+                "flax_attention/kernels/native/parallel.h",
+                "flax_attention/kernels/native/narrow_body.h",
+            ],
             language="c++",
             optional=True,  # a failed build leaves the package without the kernel
         )

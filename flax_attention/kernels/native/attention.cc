@@ -48,6 +48,7 @@
 
 #include "cblas.h"  // scipy-openblas32: the symbols carry a scipy_ prefix
 #include "xla/ffi/api/ffi.h"
+#include "parallel.h"  // ParallelFor
 
 namespace ffi = xla::ffi;
 using F32x4 = ffi::Buffer<ffi::F32, 4>;
@@ -58,6 +59,8 @@ using Seed = ffi::Buffer<ffi::U32, 0>;
 using Index = ffi::Buffer<ffi::U32, 1>;  // global batch / head numbers of the local ones
 
 namespace {
+
+using flax_attention::ParallelFor;
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -180,33 +183,6 @@ void DropoutRow(const Attention& a, uint32_t row_hash, int64_t j0, float* keep, 
 #pragma omp simd
   for (int64_t j = 0; j < ld; ++j)
     keep[j] = Mix(row_hash, uint32_t(j0 + j)) >= threshold ? kept : 0.0f;
-}
-
-// ---- a parallel for over XLA's intra-op thread pool; the calling thread works too ----------
-
-template <typename Body>
-void ParallelFor(ffi::ThreadPool& pool, int64_t n, const Body& body) {
-  struct State {
-    std::atomic<int64_t> next{0}, done{0};
-    std::mutex mu;
-    std::condition_variable cv;
-  };
-  auto state = std::make_shared<State>();
-  const Body* fn = &body;  // used only while the caller waits below
-  auto work = [state, fn, n] {
-    for (int64_t item; (item = state->next.fetch_add(1)) < n;) {
-      (*fn)(item);
-      if (state->done.fetch_add(1) + 1 == n) {
-        std::lock_guard<std::mutex> lock(state->mu);
-        state->cv.notify_all();
-      }
-    }
-  };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work(); });
-  work();
-  std::unique_lock<std::mutex> lock(state->mu);
-  state->cv.wait(lock, [&] { return state->done.load() == n; });
 }
 
 // ---- the widest vectors this CPU has, chosen when the library is loaded ----------------------

@@ -1,0 +1,263 @@
+// Products of a few rows with weights of float32, bfloat16 or int8, for flax_attention's decode
+// steps, called through jax.ffi (flax_attention/kernels/native/narrow.py).
+//
+//   y (m, n) = x (m, k) W           W (k, n), row-major: an nnx.Linear kernel       ("kn")
+//   y (m, n) = x (m, k) E^T         E (n, k), row-major: a tied head's embedding     ("nk")
+//
+// times scale (n,) per output feature for int8 weights (symmetric, w = q * scale). x and y are
+// float32; each weight is widened to float32 in a register as it is read (bfloat16: its 16 bits
+// shifted up; int8: sign-extended and converted) and every product accumulates in float32. A
+// decode step multiplies a handful of rows by every weight once, so its time is the time to
+// read the weights: narrower weights are read faster, and nothing wider than the weight is ever
+// written to memory (XLA's CPU compiler widens a bfloat16 matrix to float32 in memory first).
+//
+// kn: the columns in tiles of V vectors of W floats; per tile a register block of R rows x V
+// vectors accumulates over k, reading per k one short run of a weight row. Neighbouring tiles
+// read the neighbouring bytes of the same cache lines, which stay in L2 from one tile to the
+// next (a strip of k lines), so memory sees each weight once. Up to 8 rows per pass; more rows
+// take more passes.
+// nk: per block of J rows of E (contiguous over k) and R rows of x, R x J vector accumulators
+// over k, summed across lanes at the end.
+// Work is split over XLA's intra-op thread pool by column (kn) or row (nk) ranges.
+//
+// One source, written with GCC / Clang vector extensions over a vector type of W floats and
+// compiled three times on x86-64 (W = 16 for x86-64-v4, AVX-512; 8 for x86-64-v3, AVX2 + FMA;
+// 4 for baseline SSE2), each copy its own FFI handler: the package registers every copy this
+// CPU runs and uses the widest (the tests run each). Elsewhere, or with one -march
+// (FLAX_ATTENTION_ONE_ARCH), one copy.
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include "parallel.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+using Rows = ffi::Buffer<ffi::F32, 2>;  // (no comma in a handler's binding: it is a macro argument)
+using Scale = ffi::Buffer<ffi::F32, 1>;
+
+namespace {
+
+using flax_attention::ParallelFor;
+
+#if defined(__GNUC__) && defined(__has_builtin)
+#if __has_builtin(__builtin_convertvector) && __has_builtin(__builtin_shufflevector)
+#define FLAX_NARROW_VECTORS 1
+#endif
+#endif
+#ifndef FLAX_NARROW_VECTORS
+#define FLAX_NARROW_VECTORS 0
+#endif
+
+#if defined(__x86_64__) && defined(__GLIBC__) && !defined(__clang__) && __GNUC__ >= 12 && \
+    !defined(FLAX_ATTENTION_ONE_ARCH) && FLAX_NARROW_VECTORS
+#define FLAX_NARROW_COPIES 1
+#else
+#define FLAX_NARROW_COPIES 0
+#endif
+
+// The weights' element types: float, bfloat16 (its bits), int8.
+struct Bf16 {
+  uint16_t bits;
+};
+
+template <typename T>
+inline float Scalar(const T* p);
+template <>
+inline float Scalar<float>(const float* p) { return *p; }
+template <>
+inline float Scalar<Bf16>(const Bf16* p) {
+  const uint32_t bits = uint32_t(p->bits) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+template <>
+inline float Scalar<int8_t>(const int8_t* p) { return float(*p); }
+
+#if FLAX_NARROW_VECTORS
+// One copy's entry: the product over columns [j0, j1) for a weight of element type `type`
+// (0 float, 1 bfloat16, 2 int8).
+#define FLAX_NARROW_PRODUCT                                                                    \
+  __attribute__((flatten)) void Product(int type, bool nk, int64_t m, int64_t k, int64_t n,   \
+                                        const float* x, const void* w, const float* scale,    \
+                                        float* y, int64_t j0, int64_t j1) {                   \
+    switch (type * 2 + nk) {                                                                 \
+      case 0: KnRange<Vec>(m, k, x, (const float*)w, n, scale, y, j0, j1); break;            \
+      case 1: NkRange<Vec>(m, k, x, (const float*)w, n, scale, y, j0, j1); break;            \
+      case 2: KnRange<Vec>(m, k, x, (const Bf16*)w, n, scale, y, j0, j1); break;             \
+      case 3: NkRange<Vec>(m, k, x, (const Bf16*)w, n, scale, y, j0, j1); break;             \
+      case 4: KnRange<Vec>(m, k, x, (const int8_t*)w, n, scale, y, j0, j1); break;           \
+      case 5: NkRange<Vec>(m, k, x, (const int8_t*)w, n, scale, y, j0, j1); break;           \
+      default: break;                                                                        \
+    }                                                                                        \
+  }
+
+#if FLAX_NARROW_COPIES
+#pragma GCC push_options
+#pragma GCC target("arch=x86-64-v4")
+namespace v4 {
+typedef float Vec __attribute__((vector_size(64)));
+#define FLAX_NARROW_LEVEL 4
+#include "narrow_body.h"
+#undef FLAX_NARROW_LEVEL
+FLAX_NARROW_PRODUCT
+}  // namespace v4
+#pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("arch=x86-64-v3")
+namespace v3 {
+typedef float Vec __attribute__((vector_size(32)));
+#define FLAX_NARROW_LEVEL 3
+#include "narrow_body.h"
+#undef FLAX_NARROW_LEVEL
+FLAX_NARROW_PRODUCT
+}  // namespace v3
+#pragma GCC pop_options
+namespace base {
+typedef float Vec __attribute__((vector_size(16)));
+#define FLAX_NARROW_LEVEL 0
+#include "narrow_body.h"
+#undef FLAX_NARROW_LEVEL
+FLAX_NARROW_PRODUCT
+}  // namespace base
+#else
+namespace base {
+#if defined(__AVX512F__)
+typedef float Vec __attribute__((vector_size(64)));
+#define FLAX_NARROW_LEVEL 4
+#elif defined(__AVX2__)
+typedef float Vec __attribute__((vector_size(32)));
+#define FLAX_NARROW_LEVEL 3
+#else
+typedef float Vec __attribute__((vector_size(16)));
+#define FLAX_NARROW_LEVEL 0
+#endif
+#include "narrow_body.h"
+#undef FLAX_NARROW_LEVEL
+FLAX_NARROW_PRODUCT
+}  // namespace base
+#endif
+#undef FLAX_NARROW_PRODUCT
+
+#else  // no vector extensions: scalar loops
+namespace base {
+void Product(int type, bool nk, int64_t m, int64_t k, int64_t n, const float* x,
+                 const void* w, const float* scale, float* y, int64_t j0, int64_t j1) {
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t j = j0; j < j1; ++j) {
+      float sum = 0.0f;
+      for (int64_t kk = 0; kk < k; ++kk) {
+        const int64_t at = nk ? j * k + kk : kk * n + j;
+        const float v = type == 0   ? ((const float*)w)[at]
+                        : type == 1 ? Scalar<Bf16>((const Bf16*)w + at)
+                                    : float(((const int8_t*)w)[at]);
+        sum += x[r * k + kk] * v;
+      }
+      y[r * n + j] = scale ? sum * scale[j] : sum;
+    }
+}
+}  // namespace base
+#endif
+
+using ProductFn = void (*)(int, bool, int64_t, int64_t, int64_t, const float*, const void*,
+                           const float*, float*, int64_t, int64_t);
+
+// x (m, k) float32; w (k, n) or, nk, (n, k); scale (n,) for int8 and (0,) otherwise; y (m, n).
+template <ProductFn product>
+ffi::Error Product(ffi::ThreadPool pool, ffi::Buffer<ffi::F32, 2> x, ffi::AnyBuffer w,
+                   ffi::Buffer<ffi::F32, 1> scale, ffi::ResultBuffer<ffi::F32, 2> y, bool nk) {
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  if (wd.size() != 2) return ffi::Error::InvalidArgument("narrow product: w must be 2-D");
+  const int64_t m = xd[0], k = xd[1], n = nk ? wd[0] : wd[1];
+  if ((nk ? wd[1] : wd[0]) != k)
+    return ffi::Error::InvalidArgument("narrow product: x's and w's contracted sizes differ");
+  int type;
+  switch (w.element_type()) {
+    case ffi::DataType::F32: type = 0; break;
+    case ffi::DataType::BF16: type = 1; break;
+    case ffi::DataType::S8: type = 2; break;
+    default: return ffi::Error::InvalidArgument("narrow product: w must be f32, bf16 or s8");
+  }
+  const int64_t scales = scale.dimensions()[0];
+  if (scales != 0 && scales != n)
+    return ffi::Error::InvalidArgument("narrow product: scale must be (n,) or (0,)");
+  const float* s = scales ? scale.typed_data() : nullptr;
+  const float* xp = x.typed_data();
+  const void* wp = w.untyped_data();
+  float* yp = y->typed_data();
+  // Ranges of columns (kn) or embedding rows (nk), aligned to 64 so that no two threads share a
+  // cache line of y or (kn) of the weights; one per thread, so that each reads long runs.
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t align = 64;
+  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(threads, (n + align - 1) / align));
+  const int64_t step = ((n + chunks - 1) / chunks + align - 1) / align * align;
+  const int64_t items = (n + step - 1) / step;
+  auto body = [&](int64_t item) {
+    const int64_t j0 = item * step, j1 = std::min(n, j0 + step);
+    product(type, nk, m, k, n, xp, wp, s, yp, j0, j1);
+  };
+  if (items == 1 || m * k * n < (1 << 16)) {
+    for (int64_t item = 0; item < items; ++item) body(item);
+  } else {
+    ParallelFor(pool, items, body);
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+// Bit 0: the baseline copy; bit 1: the x86-64-v3 copy; bit 2: the x86-64-v4 copy; each set
+// where the library has that copy and this CPU runs it.
+extern "C" int FlaxNarrowLevels() {
+#if FLAX_NARROW_COPIES
+  __builtin_cpu_init();
+  const bool v3 = __builtin_cpu_supports("x86-64-v3");
+  const bool v4 = __builtin_cpu_supports("x86-64-v4");
+  return 1 | (v3 ? 2 : 0) | (v3 && v4 ? 4 : 0);
+#else
+  return 1;
+#endif
+}
+
+// The floats per vector of the copy with bit `level` (0, 1, 2) of FlaxNarrowLevels.
+extern "C" int FlaxNarrowWidth(int level) {
+#if FLAX_NARROW_COPIES
+  return level == 2 ? 16 : level == 1 ? 8 : 4;
+#elif FLAX_NARROW_VECTORS && defined(__AVX512F__)
+  return level == 0 ? 16 : 0;
+#elif FLAX_NARROW_VECTORS && defined(__AVX__)
+  return level == 0 ? 8 : 0;
+#elif FLAX_NARROW_VECTORS
+  return level == 0 ? 4 : 0;
+#else
+  return level == 0 ? 1 : 0;
+#endif
+}
+
+#define FLAX_NARROW_HANDLER(symbol, fn)                                  \
+  static ffi::Error symbol##Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32, 2> x, ffi::AnyBuffer w, \
+                          ffi::Buffer<ffi::F32, 1> scale, ffi::ResultBuffer<ffi::F32, 2> y, \
+                          bool nk) {                                     \
+    return Product<fn>(pool, x, w, scale, y, nk);                        \
+  }                                                                      \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(symbol, symbol##Impl,                    \
+                                ffi::Ffi::Bind()                         \
+                                    .Ctx<ffi::ThreadPool>()              \
+                                    .Arg<Rows>()                         \
+                                    .Arg<ffi::AnyBuffer>()               \
+                                    .Arg<Scale>()                        \
+                                    .Ret<Rows>()                         \
+                                    .Attr<bool>("nk"));
+
+FLAX_NARROW_HANDLER(FlaxNarrowProductBase, base::Product)
+#if FLAX_NARROW_COPIES
+FLAX_NARROW_HANDLER(FlaxNarrowProductV3, v3::Product)
+FLAX_NARROW_HANDLER(FlaxNarrowProductV4, v4::Product)
+#endif

@@ -1,0 +1,266 @@
+// The narrow products' code, included by narrow.cc once per x86-64 level inside a namespace and
+// a `#pragma GCC target` region (so that every template here is compiled for that level and may
+// use its intrinsics); `Vec`, the float vector of that level, is declared before the include and
+// FLAX_NARROW_LEVEL defined (4: x86-64-v4, 3: x86-64-v3, 0: other; GCC's C++ front end does
+// not define __AVX512F__ and the like inside a target pragma).
+// Not a header to include elsewhere.
+
+
+template <typename Vec>
+constexpr int kW = sizeof(Vec) / sizeof(float);
+
+// W elements of T -> W floats. Loads are unaligned (memcpy); vectors go by reference.
+template <typename Vec, typename T>
+struct Widen;
+template <typename Vec>
+struct Widen<Vec, float> {
+  static inline void Load(Vec& v, const float* p) { std::memcpy(&v, p, sizeof(Vec)); }
+};
+// The integer vectors of as many lanes as Vec: 16-bit and 8-bit halves, 32-bit words.
+template <int W>
+struct Lanes;
+template <>
+struct Lanes<16> {
+  typedef uint16_t U16 __attribute__((vector_size(32)));
+  typedef uint32_t U32 __attribute__((vector_size(64)));
+  typedef int8_t I8 __attribute__((vector_size(16)));
+  typedef int16_t I16 __attribute__((vector_size(32)));
+  typedef int32_t I32 __attribute__((vector_size(64)));
+};
+template <>
+struct Lanes<8> {
+  typedef uint16_t U16 __attribute__((vector_size(16)));
+  typedef uint32_t U32 __attribute__((vector_size(32)));
+  typedef int8_t I8 __attribute__((vector_size(8)));
+  typedef int16_t I16 __attribute__((vector_size(16)));
+  typedef int32_t I32 __attribute__((vector_size(32)));
+};
+template <>
+struct Lanes<4> {
+  typedef uint16_t U16 __attribute__((vector_size(8)));
+  typedef uint32_t U32 __attribute__((vector_size(16)));
+  typedef int8_t I8 __attribute__((vector_size(4)));
+  typedef int16_t I16 __attribute__((vector_size(8)));
+  typedef int32_t I32 __attribute__((vector_size(16)));
+};
+
+template <typename Vec>
+struct Widen<Vec, Bf16> {
+  using L = Lanes<kW<Vec>>;
+  static inline void Load(Vec& v, const Bf16* p) {
+    typename L::U16 h;
+    std::memcpy(&h, p, sizeof h);
+    typename L::U32 bits = __builtin_convertvector(h, typename L::U32) << 16;
+    std::memcpy(&v, &bits, sizeof(Vec));
+  }
+};
+template <typename Vec>
+struct Widen<Vec, int8_t> {
+  using L = Lanes<kW<Vec>>;
+  static inline void Load(Vec& v, const int8_t* p) {
+    // One sign extension and one conversion where the target has them: GCC 12 lowers the
+    // generic conversion below to halves and shuffles (3x the int8 product's time).
+#if FLAX_NARROW_LEVEL == 4
+    if constexpr (kW<Vec> == 16) {
+      const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+      std::memcpy(&v, &f, sizeof(Vec));
+      return;
+    }
+#endif
+#if FLAX_NARROW_LEVEL >= 3
+    if constexpr (kW<Vec> == 8) {
+      const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+      std::memcpy(&v, &f, sizeof(Vec));
+      return;
+    }
+#endif
+    typename L::I8 q;
+    std::memcpy(&q, p, sizeof q);
+    typename L::I16 h = __builtin_convertvector(q, typename L::I16);
+    v = __builtin_convertvector(__builtin_convertvector(h, typename L::I32), Vec);
+  }
+};
+
+template <typename Vec>
+inline void Store(float* p, const Vec& v) { std::memcpy(p, &v, sizeof(Vec)); }
+template <typename Vec>
+inline void LoadF(Vec& v, const float* p) { std::memcpy(&v, p, sizeof(Vec)); }
+
+// ---- kn: y[r][j] = sum_k x[r][k] w[k][j] (* scale[j]) ----------------------------------------
+
+// One register block: R rows of y, V vectors of columns, over k rows of w; added to y's values
+// unless `first`; times scale where given (the last rows).
+template <typename Vec, typename T, int R, int V>
+inline void KnBlock(int64_t k, const float* x, int64_t ldx, const T* w, int64_t ldw,
+                    const float* scale, float* y, int64_t ldy, bool first) {
+  constexpr int W = kW<Vec>;
+  Vec acc[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) {
+      if (first) {
+        acc[r][v] = Vec{};
+      } else {
+        LoadF(acc[r][v], y + r * ldy + W * v);
+      }
+    }
+  for (int64_t kk = 0; kk < k; ++kk) {
+    const T* row = w + kk * ldw;
+    float a[R];
+    for (int r = 0; r < R; ++r) a[r] = x[r * ldx + kk];
+    for (int v = 0; v < V; ++v) {
+      Vec wv;
+      Widen<Vec, T>::Load(wv, row + W * v);
+      for (int r = 0; r < R; ++r) acc[r][v] += a[r] * wv;
+    }
+  }
+  for (int v = 0; v < V; ++v) {
+    Vec s;
+    if (scale != nullptr) LoadF(s, scale + W * v);
+    for (int r = 0; r < R; ++r) Store(y + r * ldy + W * v, scale ? acc[r][v] * s : acc[r][v]);
+  }
+}
+
+// Columns [j0, j1) of R rows over k rows of w: tiles of V vectors, the rest in tiles of V / 2,
+// V / 4, ... vectors, then single columns.
+template <typename Vec, typename T, int R, int V>
+inline void KnTiles(int64_t k, const float* x, int64_t ldx, const T* w, int64_t ldw,
+                    const float* scale, float* y, int64_t ldy, int64_t j0, int64_t j1,
+                    bool first) {
+  constexpr int W = kW<Vec>;
+  int64_t j = j0;
+  for (; j + V * W <= j1; j += V * W)
+    KnBlock<Vec, T, R, V>(k, x, ldx, w + j, ldw, scale ? scale + j : nullptr, y + j, ldy, first);
+  if constexpr (V > 1) {
+    KnTiles<Vec, T, R, V / 2>(k, x, ldx, w, ldw, scale, y, ldy, j, j1, first);
+  } else {
+    for (; j < j1; ++j)
+      for (int r = 0; r < R; ++r) {
+        float sum = first ? 0.0f : y[r * ldy + j];
+        for (int64_t kk = 0; kk < k; ++kk) sum += x[r * ldx + kk] * Scalar<T>(w + kk * ldw + j);
+        y[r * ldy + j] = scale ? sum * scale[j] : sum;
+      }
+  }
+}
+
+// Rows of w in blocks of kKnRows, each block across all the columns before the next: the block's
+// rows are read as that many sequential streams (a weight row is contiguous), where a tile
+// over all of k would touch a new page of memory at every row.
+#ifndef FLAX_NARROW_KB
+#define FLAX_NARROW_KB 8
+#endif
+constexpr int64_t kKnRows = FLAX_NARROW_KB;
+
+template <typename Vec, typename T, int R, int V>
+inline void KnRows(int64_t k, const float* x, int64_t ldx, const T* w, int64_t ldw,
+                   const float* scale, float* y, int64_t ldy, int64_t j0, int64_t j1) {
+  for (int64_t kb = 0; kb < k; kb += kKnRows) {
+    const int64_t kl = std::min(kKnRows, k - kb);
+    KnTiles<Vec, T, R, V>(kl, x + kb, ldx, w + kb * ldw, ldw, kb + kl == k ? scale : nullptr, y,
+                          ldy, j0, j1, kb == 0);
+  }
+}
+
+// Vectors of columns per tile for R rows: as wide as the register file holds the accumulators
+// (32 vector registers with AVX-512, 16 otherwise), so that each weight row is read in runs of
+// up to 1 KB.
+constexpr int KnV(int W, int R) {
+  return W == 16 ? (R == 1 ? 16 : R == 2 ? 8 : R <= 4 ? 4 : 2)
+                 : (R == 1 ? 8 : R == 2 ? 4 : R <= 4 ? 2 : 1);
+}
+
+template <typename Vec, typename T>
+void KnRange(int64_t m, int64_t k, const float* x, const T* w, int64_t n, const float* scale,
+             float* y, int64_t j0, int64_t j1) {
+  constexpr int W = kW<Vec>;
+  for (int64_t i = 0; i < m; i += 8) {
+    const float* xi = x + i * k;
+    float* yi = y + i * n;
+    switch (std::min<int64_t>(8, m - i)) {
+#define FLAX_NARROW_KN(R) \
+  case R: KnRows<Vec, T, R, KnV(W, R)>(k, xi, k, w, n, scale, yi, n, j0, j1); break;
+      FLAX_NARROW_KN(1)
+      FLAX_NARROW_KN(2)
+      FLAX_NARROW_KN(3)
+      FLAX_NARROW_KN(4)
+      FLAX_NARROW_KN(5)
+      FLAX_NARROW_KN(6)
+      FLAX_NARROW_KN(7)
+      FLAX_NARROW_KN(8)
+#undef FLAX_NARROW_KN
+      default: break;
+    }
+  }
+}
+
+// ---- nk: y[r][j] = sum_k x[r][k] e[j][k] (* scale[j]) ----------------------------------------
+
+template <typename Vec>
+inline float Sum(const Vec& v) {
+  float s = 0.0f;
+  for (int i = 0; i < kW<Vec>; ++i) s += v[i];
+  return s;
+}
+
+template <typename Vec, typename T, int R, int J>
+inline void NkBlock(int64_t k, const float* x, int64_t ldx, const T* e, int64_t lde,
+                    const float* scale, float* y, int64_t ldy) {
+  constexpr int W = kW<Vec>;
+  Vec acc[R][J];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < J; ++j) acc[r][j] = Vec{};
+  int64_t kk = 0;
+  for (; kk + W <= k; kk += W) {
+    Vec ev[J];
+    for (int j = 0; j < J; ++j) Widen<Vec, T>::Load(ev[j], e + j * lde + kk);
+    for (int r = 0; r < R; ++r) {
+      Vec xv;
+      LoadF(xv, x + r * ldx + kk);
+      for (int j = 0; j < J; ++j) acc[r][j] += xv * ev[j];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < J; ++j) {
+      float sum = Sum(acc[r][j]);
+      for (int64_t t = kk; t < k; ++t) sum += x[r * ldx + t] * Scalar<T>(e + j * lde + t);
+      y[r * ldy + j] = scale ? sum * scale[j] : sum;
+    }
+}
+
+constexpr int NkJ(int W, int R) {
+  return W == 16 ? (R <= 2 ? 8 : R <= 4 ? 4 : 2) : (R <= 1 ? 8 : R <= 2 ? 4 : R <= 4 ? 2 : 1);
+}
+
+template <typename Vec, typename T, int R>
+inline void NkRows(int64_t k, const float* x, int64_t ldx, const T* e, const float* scale,
+                   float* y, int64_t ldy, int64_t j0, int64_t j1) {
+  constexpr int J = NkJ(kW<Vec>, R);
+  int64_t j = j0;
+  for (; j + J <= j1; j += J)
+    NkBlock<Vec, T, R, J>(k, x, ldx, e + j * k, k, scale ? scale + j : nullptr, y + j, ldy);
+  for (; j < j1; ++j)
+    NkBlock<Vec, T, R, 1>(k, x, ldx, e + j * k, k, scale ? scale + j : nullptr, y + j, ldy);
+}
+
+template <typename Vec, typename T>
+void NkRange(int64_t m, int64_t k, const float* x, const T* e, int64_t n, const float* scale,
+             float* y, int64_t j0, int64_t j1) {
+  for (int64_t i = 0; i < m; i += 8) {
+    const float* xi = x + i * k;
+    float* yi = y + i * n;
+    switch (std::min<int64_t>(8, m - i)) {
+#define FLAX_NARROW_NK(R) \
+  case R: NkRows<Vec, T, R>(k, xi, k, e, scale, yi, n, j0, j1); break;
+      FLAX_NARROW_NK(1)
+      FLAX_NARROW_NK(2)
+      FLAX_NARROW_NK(3)
+      FLAX_NARROW_NK(4)
+      FLAX_NARROW_NK(5)
+      FLAX_NARROW_NK(6)
+      FLAX_NARROW_NK(7)
+      FLAX_NARROW_NK(8)
+#undef FLAX_NARROW_NK
+      default: break;
+    }
+  }
+}
+
