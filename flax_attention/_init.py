@@ -13,6 +13,8 @@ random generators. Weights that must match exactly cross over with ``load_state_
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -20,7 +22,9 @@ from flax import nnx
 from flax_attention.axes import LinearAxes, spec_of
 
 __all__ = [
+    "NARROW_ROWS",
     "linear_factory",
+    "narrow_product_ok",
     "partitioned",
     "rows_dot_general",
     "set_linear_axes",
@@ -63,6 +67,57 @@ def set_linear_axes(linear: nnx.Linear, axes: LinearAxes) -> nnx.Linear:
     return linear
 
 
+#: The most rows a product sends to the narrow-weight kernel (``kernels.native.narrow``): a
+#: decode step's batch. Longer products (prefill, training) are XLA's.
+NARROW_ROWS = 16
+
+
+def narrow_product_ok(rows: int, weight) -> bool:
+    """Whether a product of ``rows`` rows with ``weight`` runs on the narrow-weight kernel: a
+    bfloat16 or int8 weight at up to ``NARROW_ROWS`` rows, a float32 one at 2 to
+    ``NARROW_ROWS`` (XLA reads a float32 matrix for one row as fast; for several it does not),
+    on the CPU with the kernel built, outside any mesh (a custom call would gather a sharded
+    weight onto every device)."""
+    if not 1 <= rows <= NARROW_ROWS or weight.ndim != 2:
+        return False
+    dtype = jnp.dtype(weight.dtype)
+    if dtype == jnp.float32:
+        if rows < 2:
+            return False
+    elif dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.int8)):
+        return False
+    if jax.default_backend() != "cpu" or not jax.sharding.get_abstract_mesh().empty:
+        return False
+    from flax_attention.kernels.native import narrow
+
+    return narrow.available()
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _narrow(rows, weight, nk: bool):
+    """``rows (m, k) @ weight`` (``(k, n)``, or ``(n, k)`` with ``nk``) on the narrow kernel,
+    float32; its gradient is XLA's products of the same operands."""
+    from flax_attention.kernels.native import narrow
+
+    return narrow.matmul(rows, weight, nk=nk)
+
+
+def _narrow_fwd(rows, weight, nk):
+    return _narrow(rows, weight, nk), (rows, weight)
+
+
+def _narrow_bwd(nk, residuals, d_out):
+    rows, weight = residuals
+    w, x = weight.astype(jnp.float32), rows.astype(jnp.float32)
+    d_out = d_out.astype(jnp.float32)  # (m, n)
+    d_rows = d_out @ (w if nk else w.T)  # (m, k)
+    d_weight = d_out.T @ x if nk else x.T @ d_out  # as weight
+    return d_rows.astype(rows.dtype), d_weight.astype(weight.dtype)
+
+
+_narrow.defvjp(_narrow_fwd, _narrow_bwd)
+
+
 def rows_dot_general(lhs, rhs, dimension_numbers, precision=None, **options):
     """``jax.lax.dot_general`` for ``nnx.Linear`` and the tied head: ``x (..., d_in) @ kernel
     (d_in, d_out)`` (or ``@ table.T`` for a ``(d_out, d_in)`` table) as one ``(rows, d_in)``
@@ -75,10 +130,14 @@ def rows_dot_general(lhs, rhs, dimension_numbers, precision=None, **options):
     transpose fuses the residual stream's whole chain of gradient additions, recomputed per
     layer (quadratic in depth), and for the tied head it copies the ``(b * t, V)`` gradient of
     the logits. On rows the same gradient is one plain product, no transpose (the measurements:
-    docs/performance.md, "Where a training step's time goes")."""
+    docs/performance.md, "Where a training step's time goes").
+
+    A decode step's few rows (``narrow_product_ok``) go to the narrow-weight kernel, which reads
+    a bfloat16 matrix at its own width (XLA widens it to float32 in memory first) and several
+    rows at one row's bandwidth; the result is float32 rounded to the product's dtype."""
     (lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch) = dimension_numbers
-    flat = (
-        lhs.ndim > 2
+    plain = (
+        lhs.ndim >= 2
         and rhs.ndim == 2
         and not lhs_batch
         and not rhs_batch
@@ -86,13 +145,17 @@ def rows_dot_general(lhs, rhs, dimension_numbers, precision=None, **options):
         and options.get("out_sharding") is None
         and not any(spec_of(lhs))
     )
-    if not flat:
+    if not plain or (lhs.ndim == 2 and not narrow_product_ok(lhs.shape[0], rhs)):
         return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision, **options)
     options.pop("out_sharding", None)
     rows = lhs.reshape(-1, lhs.shape[-1])  # (rows, d_in)
-    out = jax.lax.dot_general(
-        rows, rhs, (((1,), rhs_contracting), ((), ())), precision=precision, **options
-    )  # (rows, d_out)
+    if narrow_product_ok(rows.shape[0], rhs):
+        dtype = options.get("preferred_element_type") or jnp.result_type(lhs, rhs)
+        out = _narrow(rows, rhs, tuple(rhs_contracting) == (1,)).astype(dtype)  # (rows, d_out)
+    else:
+        out = jax.lax.dot_general(
+            rows, rhs, (((1,), rhs_contracting), ((), ())), precision=precision, **options
+        )  # (rows, d_out)
     return out.reshape(*lhs.shape[:-1], out.shape[-1])  # (..., d_out)
 
 
