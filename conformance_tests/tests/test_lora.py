@@ -23,7 +23,7 @@ from flax import nnx
 
 import flax_attention as fa
 from conformance_tests import book_gpt, book_lora
-from conformance_tests.tests.helpers import assert_untouched, snapshot
+from conformance_tests.tests.helpers import assert_untouched, error_templates, snapshot
 from conformance_tests.tolerances import TOLERANCES
 from flax_attention import models
 from flax_attention.models import lora
@@ -403,3 +403,43 @@ def test_lora_and_plain_state_dicts_meeting_the_other_model_say_so_and_load_noth
         f"layout ('gpt2') must be 'documents' for a module with LoRA layers ({2 * WRAPPED} LoRA "
         "matrices, such as "
     ), str(caught.value)
+
+
+def test_every_lora_message_is_listed_in_docs_errors():
+    """Each mistake on a small layer: its message (a refused load: each line) is a form of
+    docs/errors.md's LoRA table (or of its table for loading weights), and every form there is
+    raised here."""
+    listed = error_templates("LoRA")
+    loading = error_templates("Loading weights")
+    linear = nnx.Linear(8, 8, rngs=nnx.Rngs(0))
+    wrapped = lora.LinearWithLoRA(linear, 2, 2, rngs=nnx.Rngs(0))
+    plain_layer = fa.MultiHeadAttention(8, 8, 4, 0.0, 2, rngs=nnx.Rngs(0))
+    lora_layer = fa.MultiHeadAttention(8, 8, 4, 0.0, 2, rngs=nnx.Rngs(0))
+    lora.replace_linear_with_lora(lora_layer, 2, 2, rngs=nnx.Rngs(0))
+    rank_4 = lora.LinearWithLoRA(nnx.Linear(8, 8, rngs=nnx.Rngs(0)), 4, 2, rngs=nnx.Rngs(0))
+    calls = [
+        lambda: lora.LoRALayer(8, 8, 1.5, 2, rngs=nnx.Rngs(0)),
+        lambda: lora.LoRALayer(8, 8, 0, 2, rngs=nnx.Rngs(0)),
+        lambda: lora.LoRALayer(8, 8, 2, "2", rngs=nnx.Rngs(0)),
+        lambda: lora.LoRALayer(8, 8, 2, math.inf, rngs=nnx.Rngs(0)),
+        lambda: lora.LinearWithLoRA(plain_layer, 2, 2, rngs=nnx.Rngs(0)),
+        lambda: lora.LinearWithLoRA(linear, 2, 2, rngs=None),
+        lambda: lora.replace_linear_with_lora([linear], 2, 2, rngs=nnx.Rngs(0)),
+        lambda: lora.merge_lora(wrapped),
+        lambda: fa.load_state_dict(wrapped, fa.state_dict(rank_4)),
+        lambda: fa.load_state_dict(plain_layer, fa.state_dict(lora_layer)),
+        lambda: fa.load_state_dict(lora_layer, fa.state_dict(plain_layer)),
+        lambda: fa.state_dict(lora_layer, layout="gpt2"),
+    ]
+    used, unlisted = set(), []
+    for call in calls:
+        with pytest.raises((TypeError, ValueError)) as caught:
+            call()
+        lines = [line.strip() for line in str(caught.value).splitlines()]
+        for line in lines if len(lines) == 1 else lines[1:]:
+            found = [t for t in listed if t.match(line)]
+            used.update(t.pattern for t in found)
+            if not found and not any(t.match(line) for t in loading):
+                unlisted.append(line)
+    assert not unlisted, f"messages docs/errors.md does not list: {unlisted}"
+    assert used == {t.pattern for t in listed}, {t.pattern for t in listed} - used
