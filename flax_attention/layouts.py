@@ -138,6 +138,8 @@ LAYOUTS: dict[str, Layout] = {
             "MultiHeadedAttention",
             "GPTModel",
             "EncoderDecoder",
+            "LinearWithLoRA",  # the book's appendix E (flax_attention.models.lora)
+            "LoRALayer",
         ),
         buffers=(Buffer("mask", "triu", export=True),),
     ),

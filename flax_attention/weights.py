@@ -140,7 +140,48 @@ def _layout(module: nnx.Module, layout) -> Layout:
             f"layout ({layout!r}) must be one of the layouts {name} takes {takes} "
             f"(layout {layout!r} is for {', '.join(spec.layers)})"
         )
+    lora = _lora_keys(module) if spec.name != "documents" else []
+    if lora:
+        raise ValueError(
+            f"layout ({layout!r}) must be 'documents' for a module with LoRA layers "
+            f"({len(lora)} LoRA matrices, such as {lora[0]}: the "
+            f"book's appendix E names them, {spec.peer} does not); "
+            "flax_attention.models.lora.merge_lora(model) folds them into the plain model first"
+        )
     return spec
+
+
+def _lora_keys(module: nnx.Module) -> list[str]:
+    """The torch names of ``module``'s LoRA matrices (``nnx.LoRAParam``: appendix E's ``A`` and
+    ``B``, ``flax_attention.models.lora``), in graph order."""
+    return [
+        ".".join(str(part) for part in path)
+        for path, node in nnx.iter_graph(module)
+        if isinstance(node, nnx.LoRAParam)
+    ]
+
+
+def _lora_hint(module: nnx.Module, missing, unexpected, state_dict) -> str:
+    """The line that says a LoRA model's state dict meets a plain model, or the converse
+    (``flax_attention.models.lora``); ``""`` otherwise."""
+    offered = [k for k in unexpected if isinstance(k, str) and k.endswith(".lora.A")]
+    if offered and not _lora_keys(module):
+        shape = tuple(getattr(state_dict[offered[0]], "shape", ()))
+        rank = shape[1] if len(shape) == 2 else "r"
+        return (
+            f"state_dict (a LoRA model's: {len(offered)} keys such as {offered[0]}, rank {rank}) "
+            "must be loaded into a model with LoRA layers (call "
+            f"flax_attention.models.lora.replace_linear_with_lora(model, rank={rank}, alpha=..., "
+            "rngs=...) first)"
+        )
+    plain = [k for k in missing if k.endswith(".linear.weight")]
+    if plain and plain[0].replace(".linear.weight", ".weight") in unexpected:
+        return (
+            f"state_dict (a model's without LoRA: {plain[0].replace('.linear.weight', '.weight')} "
+            f"where this model has {plain[0]}) must be loaded before replace_linear_with_lora "
+            "(load the base weights, then add the LoRA layers)"
+        )
+    return ""
 
 
 def _buffer_target(buffer: Buffer, mask: np.ndarray) -> _Target:
@@ -499,7 +540,9 @@ def load_state_dict(
         unexpected += [key for key in state_dict.keys() if not isinstance(key, str)]
     mismatched, problems, updates = _check_values(targets, values, prefix)
     if strict and (missing or unexpected or mismatched):
-        hint = _other_layout(module, spec, targets, given) if unexpected else ""
+        hint = _lora_hint(module, missing, unexpected, state_dict)
+        if unexpected and not hint and not _lora_keys(module):
+            hint = _other_layout(module, spec, targets, given)
         raise _strict_error(module, spec, prefix, missing, unexpected, problems, hint)
     for variable, value in updates:  # all checked: written only now
         _assign(variable, value)

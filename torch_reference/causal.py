@@ -81,6 +81,7 @@ class CausalAttention(nn.Module):
     def __init__(self, d_in, d_out, context_length, dropout, qkv_bias=False):
         super().__init__()
         check_causal_args(d_in, d_out, context_length, dropout)
+        self.d_in = d_in  # the input check's size, whatever wraps W_query (appendix E's LoRA)
         self.d_out = d_out
         self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)
         self.W_key = nn.Linear(d_in, d_out, bias=qkv_bias)
@@ -91,7 +92,7 @@ class CausalAttention(nn.Module):
         )  # New
 
     def forward(self, x):
-        check_causal_input(x, self.W_query.in_features, self.mask.shape[0])
+        check_causal_input(x, self.d_in, self.mask.shape[0])
         b, num_tokens, d_in = x.shape  # New batch dimension b
         keys = self.W_key(x)  # Shape: (b, num_tokens, d_out)
         queries = self.W_query(x)  # Shape: (b, num_tokens, d_out)

@@ -28,6 +28,7 @@ class MultiHeadAttention(nn.Module):
         check_causal_args(d_in, d_out, context_length, dropout)
         check_splits_over_heads("d_out", d_out, num_heads)
 
+        self.d_in = d_in  # the input check's size, whatever wraps W_query (appendix E's LoRA)
         self.d_out = d_out
         self.num_heads = num_heads
         self.head_dim = d_out // num_heads  # Reduce the projection dim to match desired output dim
@@ -42,7 +43,7 @@ class MultiHeadAttention(nn.Module):
         )
 
     def forward(self, x):
-        check_causal_input(x, self.W_query.in_features, self.mask.shape[0])
+        check_causal_input(x, self.d_in, self.mask.shape[0])
         b, num_tokens, d_in = x.shape
 
         keys = self.W_key(x)  # Shape: (b, num_tokens, d_out)

@@ -86,13 +86,14 @@ class SelfAttention_v2(nn.Module):
         super().__init__()
         check_positive_int("d_in", d_in)
         check_positive_int("d_out", d_out)
+        self.d_in = d_in  # the input check's size, whatever wraps W_query (appendix E's LoRA)
         self.d_out = d_out
         self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)
         self.W_key = nn.Linear(d_in, d_out, bias=qkv_bias)
         self.W_value = nn.Linear(d_in, d_out, bias=qkv_bias)
 
     def forward(self, x):
-        _check_input(x, self.W_query.in_features)
+        _check_input(x, self.d_in)
         keys = self.W_key(x)  # Shape: (num_tokens, d_out)
         queries = self.W_query(x)  # Shape: (num_tokens, d_out)
         values = self.W_value(x)  # Shape: (num_tokens, d_out)

@@ -9,13 +9,15 @@ Hugging Face's GPT-2), its checkpoints, generation and training.
 - ``generate_text_simple``, ``generate``: chapters 4 and 5's generation (``generation``).
 - ``calc_loss_batch``, ``train_step``, ``calc_loss_loader``, ``evaluate_model``: chapter 5's
   training with optax (``training``).
+- ``lora``: appendix E's LoRA (``LoRALayer``, ``LinearWithLoRA``, ``replace_linear_with_lora``,
+  ``merge_lora``).
 - ``annotated``: the Annotated Transformer's encoder-decoder (``make_model``, its modules, masks,
   label smoothing, the learning-rate schedule, training and batched ``greedy_decode``).
 
 Nothing here imports torch (``read_pth`` does, when called).
 """
 
-from flax_attention.models import annotated
+from flax_attention.models import annotated, lora
 from flax_attention.models.checkpoints import read_pth
 from flax_attention.models.generation import generate, generate_text_simple
 from flax_attention.models.gpt import (
@@ -41,6 +43,7 @@ __all__ = [
     "LayerNorm",
     "TransformerBlock",
     "annotated",
+    "lora",
     "read_pth",
     "generate",
     "generate_text_simple",
