@@ -61,6 +61,13 @@ class _Entry(NamedTuple):
     variable: nnx.Variable | None  # None for a buffer
     transpose: bool
     expected: np.ndarray | None  # the buffer's value; None for a parameter
+    scale: nnx.Variable | None = None  # an int8 weight's scales (models.quantize), per feature
+
+
+def _is_int8(node) -> bool:
+    """An int8 weight of a quantized model (``flax_attention.models.quantized.Int8Weight``),
+    recognised by its dtype and its module's ``scale``, without importing the models."""
+    return isinstance(node, nnx.Variable) and type(node).__name__ == "Int8Weight"
 
 
 def _torch_entries(module: nnx.Module) -> dict[str, _Entry]:
@@ -68,7 +75,11 @@ def _torch_entries(module: nnx.Module) -> dict[str, _Entry]:
     entries: dict[str, _Entry] = {}
     for path, node in nnx.iter_graph(module):
         name = ".".join(str(part) for part in path)
-        if isinstance(node, (nnx.Param, CheckedBuffer)):
+        if _is_int8(node):  # exported dequantized: the float weight it stands for
+            scale = _submodule(module, ".".join(str(part) for part in path[:-1])).scale
+            key = name.removesuffix(str(path[-1])) + "weight"
+            entries[key] = _Entry(node, path[-1] == "kernel", None, scale)
+        elif isinstance(node, (nnx.Param, CheckedBuffer)):
             if path[-1] == "kernel":
                 entries[name.removesuffix("kernel") + "weight"] = _Entry(node, True, None)
             elif path[-1] == "embedding":  # nnx.Embed: torch's nn.Embedding weight as it is
@@ -336,6 +347,8 @@ def state_dict(
     targets = _targets(module, spec)
     params = [t.parts[0].entry for t in targets.values() if t.buffer is None and t.parts[0].entry]
     dtype = params[0].variable.dtype if params else np.float32
+    if not jnp.issubdtype(dtype, jnp.floating):  # an int8 weight first: its floats
+        dtype = np.float32
     variables = {
         id(part.entry.variable): part.entry.variable
         for target in targets.values()
@@ -344,6 +357,16 @@ def state_dict(
     }
     # On a mesh spread over processes every process gathers every value (one collective).
     hosted = dict(zip(variables, fetch(v[...] for v in variables.values()), strict=True))
+    scaled = {  # int8 weights (a tied one is two targets' part): times their scales
+        id(part.entry.variable): part.entry
+        for target in targets.values()
+        for part in target.parts
+        if part.entry is not None and part.entry.scale is not None
+    }
+    for key, entry in scaled.items():
+        scale = np.asarray(fetch([entry.scale[...]])[0], np.float32)  # per output feature
+        value = hosted[key].astype(np.float32)
+        hosted[key] = value * (scale if entry.transpose else scale[:, None])
     out = {}
     for name, target in targets.items():
         if target.buffer is not None and not target.buffer.export:
@@ -523,6 +546,11 @@ def load_state_dict(
         )
     spec = _layout(module, layout)
     _check_prefix(prefix)
+    if any(_is_int8(node) for _, node in nnx.iter_graph(module)):
+        raise TypeError(
+            f"module ({type(module).__name__}) holds int8 weights (flax_attention.models."
+            "quantize): load_state_dict into the float model, then quantize it"
+        )
     given = {  # layout key -> the key as offered, prefix included
         key[len(prefix) :]: key
         for key in state_dict.keys()

@@ -11,6 +11,7 @@ Hugging Face's GPT-2), its checkpoints, generation and training.
   training with optax (``training``).
 - ``lora``: appendix E's LoRA (``LoRALayer``, ``LinearWithLoRA``, ``replace_linear_with_lora``,
   ``merge_lora``).
+- ``quantize(model, "int8")``: a copy with int8 weights for inference (``quantized``).
 - ``annotated``: the Annotated Transformer's encoder-decoder (``make_model``, its modules, masks,
   label smoothing, the learning-rate schedule, training and batched ``greedy_decode``).
 
@@ -28,6 +29,7 @@ from flax_attention.models.gpt import (
     LayerNorm,
     TransformerBlock,
 )
+from flax_attention.models.quantized import quantize
 from flax_attention.models.training import (
     calc_loss_batch,
     calc_loss_loader,
@@ -44,6 +46,7 @@ __all__ = [
     "TransformerBlock",
     "annotated",
     "lora",
+    "quantize",
     "read_pth",
     "generate",
     "generate_text_simple",

@@ -395,6 +395,8 @@ class GPTModel(nnx.Module):
         """The head: ``x`` ``(..., d)`` -> ``(..., V)``; tied, it contracts ``tok_emb``'s
         ``(V, d)`` matrix as stored."""
         if self.out_head is None:
+            if hasattr(self.tok_emb, "attend") and not isinstance(self.tok_emb, nnx.Embed):
+                return self.tok_emb.attend(x)  # an int8 embedding (models.quantize)
             embedding = self.tok_emb.embedding[...].astype(x.dtype)  # (V, d)
             contract = (((x.ndim - 1,), (1,)), ((), ()))
             return rows_dot_general(x, embedding, contract, precision=self.precision)

@@ -1,0 +1,169 @@
+"""Int8 weights for inference: ``quantize(model, "int8")``.
+
+``quantize`` returns a copy of a ``GPTModel`` whose ``nnx.Linear`` layers (the attention
+projections, the MLP, an untied head) are ``Int8Linear`` and whose token embedding, when the
+head is tied to it, is ``Int8Embed``: each weight matrix held as int8 with one float32 scale per
+output feature (symmetric: ``scale = max|w| / 127`` over that feature's weights, ``q =
+round(w / scale)``; a feature of zeros gets scale 1). Activations, biases, norms, the positional
+embedding and the decode caches keep the model's dtypes; every product accumulates in float32.
+
+A decode step's products (up to ``_init.NARROW_ROWS`` rows) read the int8 weights through
+the native narrow-weight kernel (``flax_attention.kernels.native.narrow``), a quarter of
+float32's bytes; longer products (a prompt's prefill) and machines without the kernel
+multiply by the dequantized matrix in XLA. ``flax_attention.state_dict(q)`` gives the
+dequantized weights in the model's names, so the book's torch ``GPTModel`` loads them;
+quantizing a model that holds the dequantized weights gives the same int8 values and scales.
+
+A quantized model is for inference: taking a gradient through it (training it) is a
+``TypeError`` that says so, as is loading a state dict into it (load the float model, then
+quantize).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from flax_attention._init import narrow_product_ok
+
+__all__ = ["SCHEMES", "Int8Embed", "Int8Linear", "Int8Weight", "WeightScale", "quantize"]
+
+#: The schemes ``quantize`` takes.
+SCHEMES = ("int8",)
+
+
+class Int8Weight(nnx.Variable):
+    """An int8 weight matrix; its module's ``scale`` (a ``WeightScale``) holds one float32 scale
+    per output feature (the kernel's last axis, the embedding's first). Not an ``nnx.Param``: no
+    optimiser trains it."""
+
+
+class WeightScale(nnx.Variable):
+    """The float32 scales of an ``Int8Weight``, one per output feature."""
+
+
+def _quantize(w, axis: int):
+    """``(q int8, scale float32)`` of ``w`` with one scale per index of ``axis`` (the output
+    features): ``scale = max|w| / 127`` over the other axis (1 where that is 0). In NumPy, on
+    the host: IEEE float32 arithmetic, op by op, as written."""
+    w = np.asarray(jax.device_get(w), np.float32)
+    amax = np.max(np.abs(w), axis=1 - axis)  # (features,)
+    scale = np.where(amax > 0, amax / np.float32(127), np.float32(1)).astype(np.float32)
+    # The float next to it that 127 * scale / 127 gives back: the dequantized weights' max is
+    # 127 * scale, so quantizing them again gives this scale exactly (and the same q).
+    seven = np.float32(127)
+    again = (seven * scale) / seven
+    scale = np.where((seven * again) / seven == again, again, scale).astype(np.float32)
+    q = np.clip(np.rint(w / np.expand_dims(scale, 1 - axis)), -127, 127).astype(np.int8)
+    return jnp.asarray(q), jnp.asarray(scale)
+
+
+def _refuse_training(*_):
+    raise TypeError(
+        "a model quantized to int8 (flax_attention.models.quantize) cannot be trained or "
+        "differentiated: train the float model, then quantize it"
+    )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _int8_product(rows, q, scale, nk: bool):
+    """``rows (m, k)`` times the dequantized ``q`` (``(k, n)``, or ``(n, k)`` with ``nk``),
+    float32 ``(m, n)``."""
+    if narrow_product_ok(rows.shape[0], q):
+        from flax_attention.kernels.native import narrow
+
+        return narrow.matmul(rows, q, scale, nk=nk)
+    w = q.astype(jnp.float32) * (scale[:, None] if nk else scale[None, :])
+    return rows.astype(jnp.float32) @ (w.T if nk else w)
+
+
+_int8_product.defvjp(
+    lambda rows, q, scale, nk: (_int8_product(rows, q, scale, nk), None),
+    lambda nk, residuals, d_out: _refuse_training(),
+)
+
+
+def _product(x, q, scale, nk: bool, dtype):
+    rows = x.reshape(-1, x.shape[-1])  # (m, k)
+    out = _int8_product(rows, q, scale, nk).astype(dtype)  # (m, n)
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+class Int8Linear(nnx.Module):
+    """An ``nnx.Linear`` with its ``kernel`` ``(in, out)`` held as int8 and ``scale`` ``(out,)``;
+    the bias, dtype and call as the layer it replaces."""
+
+    def __init__(self, linear: nnx.Linear):
+        q, scale = _quantize(linear.kernel[...], axis=1)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.kernel = Int8Weight(q)
+        self.scale = WeightScale(scale)
+        self.bias = linear.bias
+        self.dtype, self.param_dtype = linear.dtype, linear.kernel[...].dtype
+
+    def __call__(self, x, *, out_sharding=None):
+        dtype = self.dtype or jnp.result_type(x, self.param_dtype)
+        y = _product(x, self.kernel[...], self.scale[...], False, dtype)
+        if self.bias is not None:
+            y = y + self.bias[...].astype(dtype)
+        return y
+
+
+class Int8Embed(nnx.Module):
+    """An ``nnx.Embed`` whose ``embedding`` ``(V, d)`` is int8 with a ``scale`` per row, for a
+    head tied to it: ``model(ids)`` looks rows up (times their scales), ``attend(x)`` is the
+    tied head's ``x @ embedding.T``."""
+
+    def __init__(self, embed: nnx.Embed):
+        q, scale = _quantize(embed.embedding[...], axis=0)
+        self.num_embeddings, self.features = embed.num_embeddings, embed.features
+        self.embedding = Int8Weight(q)
+        self.scale = WeightScale(scale)
+        self.dtype = embed.dtype or embed.embedding[...].dtype
+
+    def __call__(self, ids, *, out_sharding=None):
+        rows = jnp.take(self.embedding[...], ids, axis=0).astype(jnp.float32)  # (..., d)
+        return (rows * jnp.take(self.scale[...], ids, axis=0)[..., None]).astype(self.dtype)
+
+    def attend(self, x):
+        return _product(x, self.embedding[...], self.scale[...], True, x.dtype)
+
+
+def _replace_linears(node) -> None:
+    """Every ``nnx.Linear`` under ``node`` replaced in place by its ``Int8Linear``."""
+    children = (
+        list(enumerate(node))
+        if isinstance(node, nnx.List)
+        else [(name, value) for name, value in vars(node).items() if isinstance(value, nnx.Module)]
+    )
+    for name, child in children:
+        if isinstance(child, nnx.Linear):
+            replacement = Int8Linear(child)
+            if isinstance(node, nnx.List):
+                node[name] = replacement
+            else:
+                setattr(node, name, replacement)
+        elif isinstance(child, nnx.Module):
+            _replace_linears(child)
+
+
+def quantize(model, scheme: str = "int8"):
+    """A copy of ``model`` (a ``GPTModel``) with int8 weights (see the module's text); ``model``
+    is left as it is."""
+    from flax_attention.models.gpt import GPTModel
+
+    if not isinstance(scheme, str) or scheme not in SCHEMES:
+        raise ValueError(f"scheme ({scheme!r}) must be one of {SCHEMES} (int8 weights)")
+    if not isinstance(model, GPTModel):
+        raise TypeError(f"model ({type(model).__name__}) must be a flax_attention.models.GPTModel")
+    if any(isinstance(node, (Int8Linear, Int8Embed)) for _, node in nnx.iter_graph(model)):
+        raise ValueError("model is already quantized (it holds Int8Linear layers)")
+    quantized = nnx.clone(model)
+    _replace_linears(quantized)
+    if quantized.out_head is None:  # tied: the head is the token embedding
+        quantized.tok_emb = Int8Embed(quantized.tok_emb)
+    return quantized
