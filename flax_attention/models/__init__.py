@@ -7,15 +7,19 @@ Hugging Face's GPT-2), its checkpoints, generation and training.
   ``state_dict`` (``read_pth`` reads a ``.pth``); Hugging Face GPT-2 directories through
   ``GPTModel.from_pretrained`` and ``save_pretrained`` (``checkpoints``).
 - ``generate_text_simple``, ``generate``: chapters 4 and 5's generation (``generation``).
-- ``calc_loss_batch``, ``train_step``, ``calc_loss_loader``, ``evaluate_model``: chapter 5's
-  training with optax (``training``).
+- ``calc_loss_batch``, ``train_step``, ``calc_loss_loader``, ``evaluate_model``,
+  ``train_model_simple``: chapter 5's training with optax (targets of -100 left out, as chapter
+  7 needs), and appendix D's ``train_model`` (warmup, cosine decay, clipping) (``training``).
+- ``classify``: chapter 6, the model fine-tuned as a classifier (``trainable_filter``,
+  ``train_classifier_simple``, ``classify_review``, ...).
+- ``instruct``: chapter 7, instruction fine-tuning (``format_input``, ``custom_collate_fn``).
 - ``annotated``: the Annotated Transformer's encoder-decoder (``make_model``, its modules, masks,
   label smoothing, the learning-rate schedule, training and batched ``greedy_decode``).
 
 Nothing here imports torch (``read_pth`` does, when called).
 """
 
-from flax_attention.models import annotated
+from flax_attention.models import annotated, classify, instruct
 from flax_attention.models.checkpoints import read_pth
 from flax_attention.models.generation import generate, generate_text_simple
 from flax_attention.models.gpt import (
@@ -30,6 +34,9 @@ from flax_attention.models.training import (
     calc_loss_batch,
     calc_loss_loader,
     evaluate_model,
+    generate_and_print_sample,
+    train_model,
+    train_model_simple,
     train_step,
 )
 
@@ -41,11 +48,16 @@ __all__ = [
     "LayerNorm",
     "TransformerBlock",
     "annotated",
+    "classify",
+    "instruct",
     "read_pth",
     "generate",
     "generate_text_simple",
     "calc_loss_batch",
     "calc_loss_loader",
     "evaluate_model",
+    "generate_and_print_sample",
+    "train_model",
+    "train_model_simple",
     "train_step",
 ]
