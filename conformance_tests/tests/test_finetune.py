@@ -256,10 +256,37 @@ def test_a_head_of_the_wrong_size_names_both_shapes_and_loads_nothing(classified
     )
 
 
-def test_classify_review_and_accuracy_equal_the_books(classified):
+def _deterministic(model) -> list[bool]:
+    return [d.deterministic for _, d in nnx.iter_graph(model) if isinstance(d, nnx.Dropout)]
+
+
+def test_a_tied_model_takes_a_classification_head_as_its_own(classified):
+    """GPT-2's checkpoints tie the head to ``tok_emb`` (no ``out_head``); chapter 6's head put
+    on such a model is its own: exported and loaded under ``out_head.``, not as the embedding."""
+    classifier = classified[2]
+    tied = new_model(models.GPTModel, {**CFG, "tie_word_embeddings": True})
+    tied.out_head = classify.classification_head(CFG["emb_dim"], NUM_CLASSES, rngs=nnx.Rngs(1))
+    weights = fa.state_dict(classifier)
+    fa.load_state_dict(tied, weights)
+    exported = fa.state_dict(tied)
+    assert set(exported) == set(weights)
+    for name, value in weights.items():
+        np.testing.assert_array_equal(exported[name], value, err_msg=name)
+
+
+def test_classify_review_and_accuracy_equal_the_books(classified, monkeypatch):
+    """The same labels and accuracy as the book's, computed in eval mode (every dropout off,
+    seen from inside each evaluation), the model's train mode given back."""
     _, twin, model, _, _, (train, val) = classified
     tokenizer = CharTokenizer()
     texts = ["win a prize now", "see you at lunch", "", "call 0800 to claim", "ok", "x" * 30]
+    modes, evaluate = [], classify._evaluate
+
+    def evaluate_and_record(model, *args):
+        modes.append(all(_deterministic(model)))
+        return evaluate(model, *args)
+
+    monkeypatch.setattr(classify, "_evaluate", evaluate_and_record)
     model.train()
     got = [classify.classify_review(t, model, tokenizer, max_length=TOKENS, pad_token_id=PAD)
            for t in texts]  # fmt: skip
@@ -271,7 +298,8 @@ def test_classify_review_and_accuracy_equal_the_books(classified):
     assert set(got) <= {"spam", "not spam"}
     accuracy = classify.calc_accuracy_loader(train + val, model)
     assert accuracy == book_finetune.calc_accuracy_loader(_as_torch(train + val), twin, "cpu")
-    assert all(not d.deterministic for _, d in nnx.iter_graph(model) if isinstance(d, nnx.Dropout))
+    assert modes == [True] * (len(texts) + len(train + val)), modes
+    assert _deterministic(model) == [False] * 5  # drop_emb, 2 per block: train mode again
 
 
 def test_the_optimizer_may_come_second(classified):
