@@ -471,6 +471,18 @@ def test_the_loss_leaves_ignore_index_out_as_torch(instructed):
     assert np.isnan(all_ignored)  # torch's mean over no target
 
 
+def test_generate_and_print_sample_prints_the_books_sample(instructed, capsys):
+    """50 greedy tokens over the whole context, printed on one line, as the book's."""
+    _, twin, model, *_ = instructed
+    models.generate_and_print_sample(model, CharTokenizer(), "Hi there")
+    ours = capsys.readouterr().out
+    twin.train()
+    book_finetune.generate_and_print_sample(twin, CharTokenizer(), "cpu", "Hi there")
+    assert ours == capsys.readouterr().out
+    assert len(ours) == len("Hi there") + 50 + 1 and len(set(ours[8:])) > 5, ours
+    assert _deterministic(model) == [False] * 5  # train mode again, as the book leaves it
+
+
 @pytest.mark.parametrize(
     "call, error, message",
     [

@@ -40,6 +40,7 @@ narrower filter for a part of it) and compiles once per batch shape.
 from __future__ import annotations
 
 import functools
+import inspect
 import itertools
 import math
 import numbers
@@ -266,12 +267,15 @@ def evaluate_model(model, train_batches, val_batches, eval_iter: int) -> tuple[f
 
 
 def _encode(tokenizer, text: str) -> list[int]:
-    """The book's ``text_to_token_ids``: tiktoken's ``encode`` with ``<|endoftext|>`` allowed,
-    or a tokenizer's plain ``encode(text)``."""
+    """The book's ``text_to_token_ids``: ``tokenizer.encode(text)``, with
+    ``allowed_special={"<|endoftext|>"}`` where ``encode`` takes it (tiktoken's)."""
     try:
+        takes = "allowed_special" in inspect.signature(tokenizer.encode).parameters
+    except (TypeError, ValueError):  # a builtin without a signature
+        takes = False
+    if takes:
         return list(tokenizer.encode(text, allowed_special={"<|endoftext|>"}))
-    except TypeError:  # not tiktoken: no allowed_special
-        return list(tokenizer.encode(text))
+    return list(tokenizer.encode(text))
 
 
 @in_eval_mode
@@ -370,7 +374,7 @@ def _scheduled_step(model, optimizer: nnx.Optimizer, input_batch, target_batch, 
     return loss, total_norm
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _adamw(weight_decay: float) -> optax.GradientTransformation:
     """Appendix D's AdamW (torch's betas and eps), its learning rate set at every step; one
     object per ``weight_decay``, so every ``train_model`` run shares the compiled step."""
