@@ -7,8 +7,12 @@ Hugging Face's GPT-2), its checkpoints, generation and training.
   ``state_dict`` (``read_pth`` reads a ``.pth``); Hugging Face GPT-2 directories through
   ``GPTModel.from_pretrained`` and ``save_pretrained`` (``checkpoints``).
 - ``generate_text_simple``, ``generate``: chapters 4 and 5's generation (``generation``).
-- ``calc_loss_batch``, ``train_step``, ``calc_loss_loader``, ``evaluate_model``: chapter 5's
-  training with optax (``training``).
+- ``calc_loss_batch``, ``train_step``, ``calc_loss_loader``, ``evaluate_model``,
+  ``train_model_simple``: chapter 5's training with optax (targets of -100 left out, as chapter
+  7 needs), and appendix D's ``train_model`` (warmup, cosine decay, clipping) (``training``).
+- ``classify``: chapter 6, the model fine-tuned as a classifier (``trainable_filter``,
+  ``train_classifier_simple``, ``classify_review``, ...).
+- ``instruct``: chapter 7, instruction fine-tuning (``format_input``, ``custom_collate_fn``).
 - ``lora``: appendix E's LoRA (``LoRALayer``, ``LinearWithLoRA``, ``replace_linear_with_lora``,
   ``merge_lora``).
 - ``quantize(model, "int8")``: a copy with int8 weights for inference (``quantized``).
@@ -18,7 +22,7 @@ Hugging Face's GPT-2), its checkpoints, generation and training.
 Nothing here imports torch (``read_pth`` does, when called).
 """
 
-from flax_attention.models import annotated, lora
+from flax_attention.models import annotated, classify, instruct, lora
 from flax_attention.models.checkpoints import read_pth
 from flax_attention.models.generation import generate, generate_text_simple
 from flax_attention.models.gpt import (
@@ -34,6 +38,9 @@ from flax_attention.models.training import (
     calc_loss_batch,
     calc_loss_loader,
     evaluate_model,
+    generate_and_print_sample,
+    train_model,
+    train_model_simple,
     train_step,
 )
 
@@ -45,6 +52,8 @@ __all__ = [
     "LayerNorm",
     "TransformerBlock",
     "annotated",
+    "classify",
+    "instruct",
     "lora",
     "quantize",
     "read_pth",
@@ -53,5 +62,8 @@ __all__ = [
     "calc_loss_batch",
     "calc_loss_loader",
     "evaluate_model",
+    "generate_and_print_sample",
+    "train_model",
+    "train_model_simple",
     "train_step",
 ]

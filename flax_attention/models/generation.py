@@ -52,7 +52,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from flax_attention._inputs import check_token_ids, check_zero_one
 from flax_attention.axes import DATA, mesh_axis_size, parameters_mesh, place
-from flax_attention.models.gpt import GPTModel
+from flax_attention.models.gpt import GPTModel, describe_head, head_outputs
 
 __all__ = ["PROMPT_BUCKET", "generate", "generate_text_simple"]
 
@@ -103,6 +103,13 @@ def generate(
     if not isinstance(model, GPTModel):
         raise TypeError(f"model ({type(model).__name__}) must be a GPTModel")
     cfg = model.cfg
+    outputs = head_outputs(model)
+    if outputs != cfg["vocab_size"]:
+        raise ValueError(
+            f"model.out_head ({describe_head(model.out_head)}) must give vocab_size "
+            f"({cfg['vocab_size']}) logits per token to generate, not {outputs}: a classification "
+            "head (chapter 6) scores classes, not next tokens"
+        )
     ids = _check_idx(idx, cfg["vocab_size"])
     batch, tokens = ids.shape
     _check_count("max_new_tokens", max_new_tokens, minimum=0)

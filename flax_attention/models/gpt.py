@@ -417,8 +417,19 @@ class GPTModel(nnx.Module):
         return {}
 
     def peer_names(self, layout: str) -> ModelNames:
-        """How the weight bridge names this model in ``layout`` (``flax_attention.layouts``)."""
-        return gpt_model_names(self.cfg, layout)
+        """How the weight bridge names this model in ``layout`` (``flax_attention.layouts``),
+        for the head it has now: a head put in place of the book's (chapter 6's
+        ``model.out_head = nnx.Linear(emb_dim, num_classes, ...)``) is exported and loaded under
+        ``out_head.`` with its own shape in the book's names; Hugging Face's have no such head."""
+        if layout != "documents":
+            problem = head_problem(self)
+            if problem:
+                raise ValueError(
+                    f"{problem} for layout ({layout!r}): Hugging Face's GPT2LMHeadModel has no "
+                    "other head; use layout='documents' (the book's names, which take any "
+                    "out_head)"
+                )
+        return gpt_model_names({**self.cfg, "tie_word_embeddings": self.out_head is None}, layout)
 
     # ---- Hugging Face checkpoints ---------------------------------------------------------------
 
@@ -437,6 +448,49 @@ class GPTModel(nnx.Module):
         """Write a checkpoint directory ``transformers.GPT2LMHeadModel.from_pretrained`` loads
         (``flax_attention.models.checkpoints.save_pretrained``)."""
         checkpoints.save_pretrained(self, path)
+
+
+def describe_head(out_head) -> str:
+    """``Linear(32 -> 2, with bias)``: what ``out_head`` is, as messages name it."""
+    if out_head is None:
+        return "None (tied to tok_emb)"
+    if not isinstance(out_head, nnx.Linear):
+        return type(out_head).__name__
+    bias = "with bias" if out_head.bias is not None else "no bias"
+    return f"Linear({out_head.in_features} -> {out_head.out_features}, {bias})"
+
+
+def head_outputs(model) -> int:
+    """How many logits ``model``'s head gives per token: ``vocab_size`` for the book's and a
+    tied head, ``num_classes`` for chapter 6's (an ``nnx.Linear``, a module wrapping one as
+    ``.linear``, or any module, whose output is then traced for its shape)."""
+    head = model.out_head
+    if head is None:
+        return model.cfg["vocab_size"]
+    for linear in (head, getattr(head, "linear", None)):
+        if isinstance(linear, nnx.Linear):
+            return linear.out_features
+    x = jax.ShapeDtypeStruct((1, model.cfg["emb_dim"]), jnp.float32)
+    return jax.eval_shape(lambda x: head(x), x).shape[-1]
+
+
+def head_problem(model) -> str | None:
+    """``None`` when ``model``'s head is the vocabulary's as ``cfg`` has it (tied, or
+    ``Linear(emb_dim -> vocab_size)`` without bias); else what it is and what was expected."""
+    cfg, head = model.cfg, model.out_head
+    if cfg["tie_word_embeddings"]:
+        if head is None:
+            return None
+        expected = "None (tied to tok_emb, cfg['tie_word_embeddings'])"
+    else:
+        expected = f"Linear({cfg['emb_dim']} -> {cfg['vocab_size']}, no bias)"
+        if (
+            isinstance(head, nnx.Linear)
+            and head.bias is None
+            and (head.in_features, head.out_features) == (cfg["emb_dim"], cfg["vocab_size"])
+        ):
+            return None
+    return f"model.out_head ({describe_head(head)}) must be the vocabulary's head ({expected})"
 
 
 def gpt_model_names(cfg, layout: str) -> ModelNames:
