@@ -53,8 +53,13 @@ from jax.sharding import NamedSharding, PartitionSpec
 from flax_attention._inputs import check_token_ids, check_zero_one
 from flax_attention.axes import DATA, mesh_axis_size, parameters_mesh, place
 from flax_attention.models.gpt import GPTModel, describe_head, head_outputs
+from flax_attention.models.quantized import Int8Weight, WeightScale
 
 __all__ = ["PROMPT_BUCKET", "generate", "generate_text_simple"]
+
+#: What a decode loop holds constant: the parameters, and a quantized model's int8 weights and
+#: scales (``models.quantize``); the rest (the caches) travels through the loop.
+_WEIGHTS = nnx.Any(nnx.Param, Int8Weight, WeightScale)
 
 #: ``generate``'s default ``prompt_bucket``: prompts are left-padded to a multiple of 64 tokens.
 PROMPT_BUCKET = 64
@@ -165,7 +170,7 @@ def generate(
     try:
         if cached_steps:
             model.init_cache(batch, cache_length)
-        graphdef, params, state = nnx.split(model, nnx.Param, ...)
+        graphdef, params, state = nnx.split(model, _WEIGHTS, ...)
         # What comes back from a jit is committed; commit what goes in alike, so the next call
         # with the same shapes does not compile again.
         state = jax.tree.map(
@@ -378,7 +383,7 @@ def _generate(
         model = nnx.merge(graphdef, params, state)
         hidden = model.hidden_states(ids, decode=True, attention_mask=cache_mask)  # (b, t, d)
         carry = append(carry, choose(model.logits(hidden[:, -1]), 0))
-        state = nnx.state(model, nnx.Not(nnx.Param))
+        state = nnx.state(model, nnx.Not(_WEIGHTS))
 
         def cached(loop):
             state, step, carry = loop
@@ -387,7 +392,7 @@ def _generate(
             last = jax.lax.dynamic_slice_in_dim(tokens, length - 1, 1, axis=1)  # (b, 1)
             hidden = model.hidden_states(last, decode=True, attention_mask=cache_mask)
             carry = append(carry, choose(model.logits(hidden[:, 0]), step))
-            return nnx.state(model, nnx.Not(nnx.Param)), step + 1, carry
+            return nnx.state(model, nnx.Not(_WEIGHTS)), step + 1, carry
 
         start = (state, jnp.int32(1), carry)
         _, step, carry = jax.lax.while_loop(

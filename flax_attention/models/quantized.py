@@ -109,7 +109,7 @@ class Int8Linear(nnx.Module):
         dtype = self.dtype or jnp.result_type(x, self.param_dtype)
         y = _product(x, self.kernel[...], self.scale[...], False, dtype)
         if self.bias is not None:
-            y = y + self.bias[...].astype(dtype)
+            y = y + self.bias[...].astype(dtype).reshape((1,) * (y.ndim - 1) + (-1,))
         return y
 
 

@@ -1,0 +1,197 @@
+"""Reduced-precision inference: the narrow-weight kernel (``kernels.native.narrow``) against a
+float64 NumPy product at every x86-64 level this CPU runs, a bfloat16 ``GPTModel`` against torch's
+own bfloat16 book model, and ``models.quantize(model, "int8")`` against the book's torch model
+holding the dequantized weights (``conformance_tests/book_gpt.py``).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+
+import flax_attention as fa
+from conformance_tests import book_gpt
+from flax_attention import models
+from flax_attention._init import NARROW_ROWS
+from flax_attention.kernels.native import narrow
+from flax_attention.models.quantized import Int8Embed, Int8Linear, Int8Weight, WeightScale
+
+CFG = {
+    "vocab_size": 97,
+    "context_length": 24,
+    "emb_dim": 48,
+    "n_heads": 3,
+    "n_layers": 2,
+    "drop_rate": 0.0,
+    "qkv_bias": True,
+}
+
+needs_narrow = pytest.mark.skipif(not narrow.available(), reason=str(narrow.why_unavailable()))
+
+
+def _error(got, reference) -> float:
+    got, reference = np.asarray(got, np.float64), np.asarray(reference, np.float64)
+    return float(np.abs(got - reference).max() / np.abs(reference).max())
+
+
+@needs_narrow
+@pytest.mark.parametrize("level", sorted(narrow.levels()))
+def test_each_copy_of_the_kernel_equals_a_float64_product(level):
+    """Rows 1..17 (register blocks of 1-8 rows, a second pass), features that are no multiple
+    of any vector width (column tiles, single vectors, scalar tails), both layouts, float32,
+    bfloat16 and int8 with scales."""
+    rng = np.random.default_rng(level)
+    worst = {}
+    for rows in (1, 3, 8, 9, 17):
+        for k, n in ((7, 5), (33, 70), (130, 301)):
+            x = rng.standard_normal((rows, k)).astype(np.float32)
+            for dtype in ("float32", "bfloat16", "int8"):
+                for nk in (False, True):
+                    shape = (n, k) if nk else (k, n)
+                    scale = None
+                    if dtype == "int8":
+                        w = rng.integers(-127, 128, shape).astype(np.int8)
+                        scale = rng.random(n).astype(np.float32) + 0.5
+                        dense = w * (scale[:, None] if nk else scale)
+                    else:
+                        w = rng.standard_normal(shape).astype(getattr(ml_dtypes, dtype, np.float32))
+                        dense = w.astype(np.float64)
+                    got = narrow.matmul(jnp.asarray(x), jnp.asarray(w), scale, nk=nk, level=level)
+                    want = x.astype(np.float64) @ (dense.T if nk else dense)
+                    case = (rows, k, n, dtype, nk)
+                    worst[case] = _error(got, want)
+    bad = {case: err for case, err in worst.items() if err > 1e-5}
+    assert not bad, f"level {level} ({narrow.levels()[level]}): {bad}"
+
+
+@needs_narrow
+def test_a_level_this_cpu_does_not_run_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"level \(7\) must be one this CPU runs"):
+        narrow.matmul(jnp.ones((1, 4)), jnp.ones((4, 4)), level=7)
+
+
+@pytest.fixture(scope="module")
+def twin():
+    torch.manual_seed(0)
+    return book_gpt.GPTModel(CFG).eval()
+
+
+def _weights(twin):
+    return {key: value.detach().numpy().copy() for key, value in twin.state_dict().items()}
+
+
+def _torch_logits(model, ids, dtype=torch.float32):
+    with torch.no_grad():
+        return model.to(dtype)(torch.from_numpy(np.asarray(ids, np.int64))).float().numpy()
+
+
+IDS = np.random.default_rng(1).integers(0, CFG["vocab_size"], (2, 7))  # 14 rows: the kernel's
+IDS_LONG = np.random.default_rng(2).integers(0, CFG["vocab_size"], (2, 12))  # 24: XLA's
+
+
+def test_bfloat16_logits_are_as_close_to_float32_as_torchs_bfloat16_model(twin):
+    """The same weights in bfloat16: the Flax model's error against float32 torch within 1.5x
+    of torch's own bfloat16 model's (decode-sized and prefill-sized batches)."""
+    weights = _weights(twin)
+    model = models.GPTModel(CFG, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+    fa.load_state_dict(model, weights)
+    assert IDS.size <= NARROW_ROWS < IDS_LONG.size
+    for ids in (IDS, IDS_LONG):
+        twin32 = book_gpt.GPTModel(CFG).eval()
+        twin32.load_state_dict({k: torch.from_numpy(v) for k, v in weights.items()})
+        reference = _torch_logits(twin32, ids)
+        torch_bf16 = _error(_torch_logits(twin32, ids, torch.bfloat16), reference)
+        flax_bf16 = _error(np.asarray(model(jnp.asarray(ids)), np.float32), reference)
+        assert flax_bf16 <= 1.5 * torch_bf16, (ids.shape, flax_bf16, torch_bf16)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_int8_logits_equal_the_books_model_with_the_dequantized_weights(twin, tied):
+    cfg = dict(CFG, tie_word_embeddings=tied)
+    torch.manual_seed(0)
+    source = book_gpt.GPTModel(cfg).eval()
+    if tied:
+        source.out_head.weight = source.tok_emb.weight
+    model = models.GPTModel(cfg, rngs=nnx.Rngs(0))
+    weights = _weights(source)
+    if tied:
+        weights.pop("out_head.weight")
+    fa.load_state_dict(model, weights)
+    quantized = models.quantize(model)
+    kinds = {type(node) for _, node in nnx.iter_graph(quantized)}
+    assert Int8Linear in kinds and (Int8Embed in kinds) == tied
+    assert not any(isinstance(node, Int8Linear) for _, node in nnx.iter_graph(model))  # a copy
+    dequantized = fa.state_dict(quantized)
+    assert set(dequantized) == set(fa.state_dict(model))
+    book = book_gpt.GPTModel(cfg).eval()
+    book.load_state_dict({k: torch.from_numpy(v) for k, v in dequantized.items()})
+    for ids in (IDS, IDS_LONG):
+        got = np.asarray(quantized(jnp.asarray(ids)))
+        assert _error(got, _torch_logits(book, ids)) <= 1e-4, ids.shape
+    # the int8 weights: a quarter of the float32 bytes, and quantizing again changes nothing
+    int8 = sum(x.nbytes for x in jax.tree.leaves(nnx.state(quantized, Int8Weight)))
+    unquantized = {"pos_emb.weight", "out_head.weight" if tied else "tok_emb.weight"}
+    float32 = sum(
+        v.nbytes
+        for k, v in fa.state_dict(model).items()
+        if v.ndim == 2 and k not in unquantized and not k.endswith(".mask")
+    )
+    assert int8 * 4 == float32
+    again = models.GPTModel(cfg, rngs=nnx.Rngs(1))
+    fa.load_state_dict(again, dequantized)
+    again = models.quantize(again)
+    for kind in (Int8Weight, WeightScale):
+        for x, y in zip(
+            jax.tree.leaves(nnx.state(quantized, kind)),
+            jax.tree.leaves(nnx.state(again, kind)),
+            strict=True,
+        ):
+            np.testing.assert_array_equal(x, y)
+
+
+def test_int8_generation_equals_the_dequantized_models_and_on_xla_alike(twin, monkeypatch):
+    model = models.GPTModel(CFG, rngs=nnx.Rngs(0))
+    fa.load_state_dict(model, _weights(twin))
+    quantized = models.quantize(model)
+    dense = models.GPTModel(CFG, rngs=nnx.Rngs(1))
+    fa.load_state_dict(dense, fa.state_dict(quantized))
+    prompt = np.asarray(IDS, np.int32)
+    tokens = np.asarray(models.generate(quantized, prompt, 6, CFG["context_length"]))
+    np.testing.assert_array_equal(
+        tokens, np.asarray(models.generate(dense, prompt, 6, CFG["context_length"]))
+    )
+    # Where the kernel is unavailable the products are XLA's, on the dequantized matrices: a
+    # new prompt shape traces again without the kernel and gives the dense model's tokens.
+    monkeypatch.setattr(narrow, "available", lambda: False)
+    short = prompt[:, :5]
+    np.testing.assert_array_equal(
+        np.asarray(models.generate(quantized, short, 6, CFG["context_length"], prompt_bucket=1)),
+        np.asarray(models.generate(dense, short, 6, CFG["context_length"], prompt_bucket=1)),
+    )
+    logits = np.asarray(quantized(jnp.asarray(IDS[:, :5])))
+    assert _error(logits, np.asarray(dense(jnp.asarray(IDS[:, :5])))) <= 1e-5
+
+
+def test_a_quantized_model_refuses_training_loading_and_a_second_quantization(twin):
+    model = models.GPTModel(CFG, rngs=nnx.Rngs(0))
+    quantized = models.quantize(model)
+    ids = jnp.asarray(IDS)
+    with pytest.raises(TypeError, match="quantized to int8 .* cannot be trained"):
+        nnx.grad(lambda m: m(ids).sum())(quantized)
+    held = nnx.Any(nnx.Param, Int8Weight, WeightScale)
+    before = [np.asarray(x) for x in jax.tree.leaves(nnx.state(quantized, held))]
+    with pytest.raises(TypeError, match=r"module \(GPTModel\) holds int8 weights"):
+        fa.load_state_dict(quantized, _weights(twin))
+    after = [np.asarray(x) for x in jax.tree.leaves(nnx.state(quantized, held))]
+    assert all(np.array_equal(x, y) for x, y in zip(before, after, strict=True))
+    with pytest.raises(ValueError, match=r"scheme \('int4'\) must be one of \('int8',\)"):
+        models.quantize(model, "int4")
+    with pytest.raises(TypeError, match=r"model \(Linear\) must be a flax_attention.models"):
+        models.quantize(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
+    with pytest.raises(ValueError, match="already quantized"):
+        models.quantize(quantized)
