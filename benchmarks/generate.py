@@ -51,6 +51,7 @@ Their notes say how far the whole step is from the sum of the parts (the loop's 
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import jax
@@ -59,6 +60,7 @@ import numpy as np
 import torch
 from flax import nnx
 
+import flax_attention as fa
 from benchmarks.gpt_models import (
     count_compiles,
     flax_model,
@@ -69,13 +71,18 @@ from benchmarks.gpt_models import (
 )
 from benchmarks.rows import make_row
 from benchmarks.timing import Timing, interleaved
-from flax_attention.models import generate
+from flax_attention.models import GPTModel, generate, quantize
 from flax_attention.models.generation import _next_token  # the step's greedy choice, as is
+from flax_attention.models.quantized import Int8Weight, WeightScale
 
 __all__ = ["format_rows", "plan_calls", "run"]
 
 #: Torch's callables in the generate rounds, after Flax's.
 TORCH_ATTENTIONS = ("eager", "sdpa")
+#: The weight dtypes of the ``dtype generate`` rows: Flax's float32 model, the same weights in
+#: bfloat16 (``GPTModel(dtype=param_dtype=bfloat16)``) and ``models.quantize(model, "int8")``;
+#: transformers' float32 and bfloat16 (``.to(torch.bfloat16)``) beside them.
+DTYPES = ("float32", "bfloat16", "int8")
 #: The ``step part`` rows, in order.
 PARTS = ("generate", "decode loop", "layers", "head", "argmax", "embeddings")
 
@@ -87,6 +94,7 @@ def plan_calls(config) -> int:
         + (len(PARTS) - 1) * (config.generate_repeats + 1)  # parts (generate's from above)
     )
     per_batch += 3 * (config.bandwidth_repeats + 1)  # the readers, one warm-up each
+    per_batch += 2 * len(DTYPES) * (config.generate_repeats + 1)  # dtypes: flax + transformers
     return per_batch * len(config.generate_batches)
 
 
@@ -196,8 +204,94 @@ def _run_batch(config, context, batch, progress):
             f"{context['nbytes'] / 1e6:.1f} MB of float32 weights per step",
         )
     )  # fmt: skip
+    rows += _dtype_rows(config, context, batch, case, bandwidth, reader, progress)
     rows += _flatness(config, model, models, batch, case, progress)
     rows += _breakdown(config, model, batch, case, timings, progress)
+    return rows
+
+
+def _dtype_models(context) -> dict:
+    """``{(framework, dtype): model}``, made once: Flax float32, bfloat16 and int8 (the same
+    weights), transformers float32 and bfloat16."""
+    if "dtype models" not in context:
+        model = context["model"]
+        bf16 = GPTModel(
+            dict(model.cfg), rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16
+        )
+        fa.load_state_dict(bf16, fa.state_dict(model))
+        torch_bf16 = copy.deepcopy(context["models"]["sdpa"]).to(torch.bfloat16)
+        context["dtype models"] = {
+            ("flax", "float32"): model,
+            ("flax", "bfloat16"): bf16,
+            ("flax", "int8"): quantize(model, "int8"),
+            ("torch", "float32"): context["models"]["sdpa"],
+            ("torch", "bfloat16"): torch_bf16,
+        }
+    return context["dtype models"]
+
+
+def resident_bytes(model) -> int:
+    """Bytes of a Flax model's weights as held (parameters, int8 weights and their scales)."""
+    held = nnx.Any(nnx.Param, Int8Weight, WeightScale)
+    return int(sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, held))))
+
+
+def _dtype_rows(config, context, batch, case, bandwidth, reader, progress):
+    """Tokens/s of generate in each weight dtype and of transformers' float32 and bfloat16
+    models, round-robin; each Flax dtype against its own weight-streaming bound (the bytes a
+    step reads at that width)."""
+    dtype_models = _dtype_models(context)
+    prompt_len, steps = config.generate_prompt, config.generate_steps
+    context_size = context["model"].cfg["context_length"]
+    rng = np.random.default_rng(1000 + batch)
+    prompt = rng.integers(0, context["model"].cfg["vocab_size"], (batch, prompt_len))
+    prompt = prompt.astype(np.int32)
+    prompt_torch = torch.from_numpy(prompt.astype(np.int64))
+    calls = {}
+    for (framework, dtype), model in dtype_models.items():
+        if framework == "flax":
+            calls[(framework, dtype)] = functools.partial(
+                generate, model, prompt, steps, context_size
+            )
+        else:
+            calls[(framework, dtype)] = functools.partial(_hf_generate, model, prompt_torch, steps)
+    names = {key: f"{key[0]} {key[1]}" for key in calls}
+    for call in calls.values():  # compile, warm up
+        jax.block_until_ready(call())
+    _tick(progress, len(calls))
+    timings = interleaved({names[k]: c for k, c in calls.items()}, config.generate_repeats,
+                          progress)  # fmt: skip
+    per_s = {key: 1e3 * batch * steps / timings[names[key]]["median_ms"] for key in calls}
+    rows = []
+    for (framework, dtype), model in dtype_models.items():
+        key = (framework, dtype)
+        same = ("torch", dtype if dtype != "int8" else "float32")
+        note = (
+            f"generate with {dtype} weights; flax/sdpa: against transformers {same[1]}"
+            if framework == "flax"
+            else f"transformers generate in {dtype}, attn_implementation=sdpa"
+        )
+        rows.append(
+            make_row(
+                "generate", case, "dtype generate", framework, dtype, batch=batch, tokens=steps,
+                timing=timings[names[key]], value=per_s[key], unit="tokens/s",
+                ratio_vs_sdpa=per_s[key] / per_s[same],
+                ratio=per_s[key] / per_s[(framework, "float32")],
+                ratio_of=f"tokens/s / {framework} float32's", note=note,
+            )
+        )  # fmt: skip
+        if framework == "flax":
+            nbytes = weight_bytes(model)
+            bound = batch * bandwidth * 1e9 / nbytes
+            rows.append(
+                make_row(
+                    "generate", case, "dtype bound", framework, dtype, batch=batch,
+                    tokens=steps, value=bound, unit="tokens/s", ratio=per_s[key] / bound,
+                    ratio_of=f"{dtype} tokens/s / its weight-streaming bound",
+                    note=f"{batch} x {bandwidth:.1f} GB/s ({reader}) / {nbytes / 1e6:.1f} MB "
+                    f"read per step; weights held {resident_bytes(model) / 1e6:.1f} MB",
+                )
+            )  # fmt: skip
     return rows
 
 

@@ -84,7 +84,10 @@ def flax_model(model) -> tuple[GPTModel, float]:
 def weight_bytes(model: GPTModel) -> int:
     """Bytes of parameters a decode step reads: every parameter (the tied head's matrix, the
     token embedding, once: the head reads all of it), but one row of the position embedding."""
-    total = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    from flax_attention.models.quantized import Int8Weight, WeightScale
+
+    held = nnx.Any(nnx.Param, Int8Weight, WeightScale)  # a quantized model's int8 weights too
+    total = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, held)))
     positions = model.pos_emb.embedding[...]
     return int(total - positions.nbytes + positions[0].nbytes)
 
