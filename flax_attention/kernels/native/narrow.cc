@@ -192,11 +192,13 @@ ffi::Error Product(ffi::ThreadPool pool, ffi::Buffer<ffi::F32, 2> x, ffi::AnyBuf
   const float* xp = x.typed_data();
   const void* wp = w.untyped_data();
   float* yp = y->typed_data();
-  // Ranges of columns (kn) or embedding rows (nk), aligned to 64 so that no two threads share a
-  // cache line of y or (kn) of the weights; one per thread, so that each reads long runs.
+  // Ranges of columns (kn) or embedding rows (nk), whole multiples of 64 so that no two threads
+  // share a cache line of y or (kn) of the weights; a few per thread, taken in turn, so that a
+  // thread that starts late (a busy machine) does not hold the call up.
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t align = 64;
-  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(threads, (n + align - 1) / align));
+  const int64_t chunks =
+      std::max<int64_t>(1, std::min<int64_t>(4 * threads, (n + align - 1) / align));
   const int64_t step = ((n + chunks - 1) / chunks + align - 1) / align * align;
   const int64_t items = (n + step - 1) / step;
   auto body = [&](int64_t item) {
