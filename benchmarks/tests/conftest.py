@@ -13,8 +13,8 @@ import types
 
 import pytest
 
-import conformance_tests.tests.conftest  # noqa: F401  (the strict settings)
 from benchmarks.tests.helpers import HAVE_MATPLOTLIB, check_ran, once_per_session, run_module
+from conformance_tests.tests.conftest import WORKER_CORES  # and the strict settings
 
 
 @pytest.fixture(scope="session")
@@ -26,6 +26,9 @@ def quick_run(tmp_path_factory):
     def make(folder):
         path, chart_dir = folder / "quick.json", folder / "charts"
         args = ["benchmarks", "--quick", "--no-progress", "--json", str(path)]
+        # torch's threads: this worker's share of the cores (its default, one per core, spins
+        # against the other worker's tests under ``pytest -n 2``: 85 CPU s instead of 60).
+        args += ["--torch-threads", str(WORKER_CORES)]
         if HAVE_MATPLOTLIB:
             args += ["--charts", str(chart_dir)]
         return {

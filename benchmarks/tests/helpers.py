@@ -38,10 +38,11 @@ def once_per_session(tmp_path_factory, name, make):
     return json.loads((folder / "result.json").read_text())
 
 
-def run_module(args, timeout):
-    """``python -m ARGS`` from the repository root with its packages first on the path:
-    ``{"command", "returncode", "stdout", "stderr"}`` (``returncode`` ``None``: timed out)."""
-    env = dict(os.environ)
+def run_module(args, timeout, env=None):
+    """``python -m ARGS`` from the repository root with its packages first on the path (and the
+    variables ``env`` sets): ``{"command", "returncode", "stdout", "stderr"}`` (``returncode``
+    ``None``: timed out)."""
+    env = {**os.environ, **(env or {})}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     command = [sys.executable, "-m", *args]
     try:

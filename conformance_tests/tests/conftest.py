@@ -40,11 +40,16 @@ torch.backends.cudnn.allow_tf32 = False
 
 #: The pytest-xdist workers of this run (``pytest -n 2``: 2), which share the machine's cores.
 XDIST_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+#: Each worker's share of the cores (all of them without xdist).
+WORKER_CORES = max(1, len(os.sched_getaffinity(0)) // XDIST_WORKERS)
 if XDIST_WORKERS > 1:
     # torch's OpenMP pool takes a thread per core in every worker: under ``-n 2`` on 2 cores,
     # 4 threads that wait for each other spinning on 2 cores (a small layer's backward then took
     # 0.1 s instead of 1 ms). Each worker gets its share of the cores; the numbers are torch's.
-    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // XDIST_WORKERS))
+    torch.set_num_threads(WORKER_CORES)
+    # The same for the processes a test starts (examples, command lines, the second process of
+    # the determinism test): their torch and OpenBLAS read it when they start.
+    os.environ.setdefault("OMP_NUM_THREADS", str(WORKER_CORES))
 
 #: Examples per test in the ``ci`` profile (test_fuzz.py: 9 groups x (17 forward + 6 gradient)).
 FUZZ_EXAMPLES = 17
