@@ -266,32 +266,24 @@ def _dtype_rows(config, context, batch, case, bandwidth, reader, progress):
     for (framework, dtype), model in dtype_models.items():
         key = (framework, dtype)
         same = ("torch", dtype if dtype != "int8" else "float32")
-        note = (
-            f"generate with {dtype} weights; flax/sdpa: against transformers {same[1]}"
-            if framework == "flax"
-            else f"transformers generate in {dtype}, attn_implementation=sdpa"
-        )
-        rows.append(
-            make_row(
-                "generate", case, "dtype generate", framework, dtype, batch=batch, tokens=steps,
-                timing=timings[names[key]], value=per_s[key], unit="tokens/s",
-                ratio_vs_sdpa=per_s[key] / per_s[same],
-                ratio=per_s[key] / per_s[(framework, "float32")],
-                ratio_of=f"tokens/s / {framework} float32's", note=note,
-            )
-        )  # fmt: skip
+        vs = per_s[key] / per_s[(framework, "float32")]
         if framework == "flax":
             nbytes = weight_bytes(model)
             bound = batch * bandwidth * 1e9 / nbytes
-            rows.append(
-                make_row(
-                    "generate", case, "dtype bound", framework, dtype, batch=batch,
-                    tokens=steps, value=bound, unit="tokens/s", ratio=per_s[key] / bound,
-                    ratio_of=f"{dtype} tokens/s / its weight-streaming bound",
-                    note=f"{batch} x {bandwidth:.1f} GB/s ({reader}) / {nbytes / 1e6:.1f} MB "
-                    f"read per step; weights held {resident_bytes(model) / 1e6:.1f} MB",
-                )
-            )  # fmt: skip
+            note = (
+                f"{vs:.2f}x flax float32, {per_s[key] / per_s[same]:.2f}x transformers "
+                f"{same[1]}; {per_s[key] / bound:.2f} of its bound ({batch} x {bandwidth:.1f} "
+                f"GB/s ({reader}) / {nbytes / 1e6:.1f} MB read per step); weights held "
+                f"{resident_bytes(model) / 1e6:.1f} MB"
+            )
+        else:
+            note = f"{vs:.2f}x transformers float32; generate in {dtype}, attn sdpa"
+        rows.append(
+            make_row(
+                "generate", case, "dtype generate", framework, dtype, batch=batch, tokens=steps,
+                timing=timings[names[key]], value=per_s[key], unit="tokens/s", note=note,
+            )
+        )  # fmt: skip
     return rows
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
 import torch
@@ -59,7 +58,7 @@ def test_each_copy_of_the_kernel_equals_a_float64_product(level):
                         scale = rng.random(n).astype(np.float32) + 0.5
                         dense = w * (scale[:, None] if nk else scale)
                     else:
-                        w = rng.standard_normal(shape).astype(getattr(ml_dtypes, dtype, np.float32))
+                        w = rng.standard_normal(shape).astype(jnp.dtype(dtype))
                         dense = w.astype(np.float64)
                     got = narrow.matmul(jnp.asarray(x), jnp.asarray(w), scale, nk=nk, level=level)
                     want = x.astype(np.float64) @ (dense.T if nk else dense)
