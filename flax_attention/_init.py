@@ -127,8 +127,8 @@ def rows_dot_general(lhs, rhs, dimension_numbers, precision=None, **options):
     docs/performance.md, "Where a training step's time goes").
 
     A decode step's few rows (``narrow_product_ok``) go to the narrow-weight kernel, which reads
-    a bfloat16 matrix at its own width (XLA widens it to float32 in memory first) and several
-    rows at one row's bandwidth; the result is float32 rounded to the product's dtype."""
+    a bfloat16 or int8 matrix at its own width (XLA widens it to float32 in memory first); the
+    result is float32 rounded to the product's dtype."""
     (lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch) = dimension_numbers
     plain = (
         lhs.ndim >= 2

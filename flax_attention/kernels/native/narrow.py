@@ -6,8 +6,7 @@ every product accumulates in float32; the result is float32.
 
 Why: a decode step reads every weight once for a handful of rows, so its time is the time to
 read them. XLA's CPU compiler widens a bfloat16 matrix to float32 in memory before a product
-(a bfloat16 model decodes slower than float32), has no int8-weight product, and reads a
-float32 matrix for 2-16 rows at well under the bandwidth it reaches for one row. Here the
+(a bfloat16 model decodes slower than float32), and has no int8-weight product. Here the
 weights are read once, at their own width, for up to 8 rows a pass (``docs/performance.md``,
 "Generation in bfloat16 and int8").
 
