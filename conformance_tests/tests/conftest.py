@@ -20,11 +20,19 @@ report's whole-model cases) are collected first, so that the first worker takes 
 its first batch of tests and starts the steps at once: no worker then waits for a step another
 one is running, and no minute-long step is left for the end of the run. Each worker's torch uses
 its share of the cores.
+
+The test run shares one JAX persistent compilation cache (``jax_compilation_cache_dir``, every
+program however quickly it compiled), new for each run, in this run's temporary directory: the
+harness builds a new ``jit`` for each case and check, and many lower to a program that another
+test, in this worker or the other one, has compiled already; it is then loaded, not compiled
+again (what runs is the same executable). The processes a test starts do not use it.
 """
 
 import functools
 import os
 import pathlib
+import shutil
+import tempfile
 
 import jax
 import pytest
@@ -95,6 +103,34 @@ def pytest_collection_modifyitems(config, items):
         return any(name in ONCE_PER_RUN for name in getattr(item, "fixturenames", ()))
 
     items.sort(key=lambda item: not shares_a_step(item))  # stable: each part keeps its order
+
+
+_OWN_CACHE_DIR = None  # the run's cache, when this process made it (no xdist): removed at the end
+
+
+def pytest_configure(config):
+    """The run's compilation cache, before anything compiles: under xdist in the workers'
+    shared temporary directory (``run_once``'s), else a directory of this process's own. A
+    cache the environment names (``JAX_COMPILATION_CACHE_DIR``) is left as it is."""
+    global _OWN_CACHE_DIR
+    if jax.config.jax_compilation_cache_dir is not None:
+        return
+    if os.environ.get("PYTEST_XDIST_WORKER") is not None:
+        if not config.option.basetemp:
+            return
+        directory = pathlib.Path(config.option.basetemp).parent / "jax_compilation_cache"
+    elif getattr(config.option, "dist", "no") != "no":  # xdist's controller: runs no test
+        return
+    else:
+        directory = _OWN_CACHE_DIR = pathlib.Path(tempfile.mkdtemp(prefix="jax_cache_"))
+    jax.config.update("jax_compilation_cache_dir", str(directory))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def pytest_unconfigure(config):
+    if _OWN_CACHE_DIR is not None:
+        shutil.rmtree(_OWN_CACHE_DIR, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
