@@ -5,7 +5,9 @@ Two levels:
 1. The spec's cases for every layer with an ``implementation`` option: torch's weights loaded into
    the Flax layer, the layer switched to ``xla`` or ``blocked`` (``MultiHeadedAttention`` with
    ``keep_attention_score=False``: only ``reference`` returns weights), outputs and gradients
-   compared with torch through the harness, under the spec's float32 tolerances. ``blocked``
+   compared with torch through the harness, under the spec's float32 tolerances, each side
+   compiled as one program (as a user's ``jit`` runs it; the report's rows run op by op, in
+   ``test_spec.py``). ``blocked``
    runs with 4-token tiles (``BlockSizes(4, 4)``, passed as an argument) so the documents' 6 and
    7 tokens cross several tiles and end in a partial one.
 2. The core function on the shapes the layers do not reach: one token, cross lengths, a key
@@ -86,7 +88,7 @@ def test_layer_forward_equals_torch(case, implementation, tmp_path):
         reference = _out_only(
             case, harness.named(case, harness.call_torch(case, tm, t_inputs, t_mask))
         )
-        actual = {"out": harness.call_flax(case, fm, f_inputs, f_mask)[0]}
+        actual = {"out": harness.flax_forward(case, fm, f_inputs, f_mask)[0]}
     key = "forward:documents" if case.uses_documents_input else "forward"
     _assert_close(reference, actual, tolerance("float32", key), f"{case.name} {implementation}")
 
@@ -99,7 +101,7 @@ def test_layer_gradients_equal_torch(case, implementation, tmp_path):
     cotangents = cotangents[:1]  # the output only: the fast paths return no weights
     _, reference, _ = harness.torch_grads(case, tm, t_inputs, t_mask, cotangents)
     with jax.default_matmul_precision("highest"):
-        actual = harness.flax_grads(case, fm, f_inputs, f_mask, cotangents)
+        actual = harness.flax_grads(case, fm, f_inputs, f_mask, cotangents, jit=True)
     _assert_close(reference, actual, tolerance("float32", "grad"), f"{case.name} {implementation}")
 
 
