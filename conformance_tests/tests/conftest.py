@@ -21,13 +21,14 @@ its first batch of tests and starts the steps at once: no worker then waits for 
 one is running, and no minute-long step is left for the end of the run. Each worker's torch uses
 its share of the cores.
 
-Each test process keeps a JAX persistent compilation cache (``jax_compilation_cache_dir``, every
-program however quickly it compiled), new for each run, in this run's temporary directory: the
-harness builds a new ``jit`` for each case and check, and many lower to a program this process
-has compiled already; it is then loaded, not compiled again (what runs is the same executable).
-The xdist workers keep one each (JAX writes an entry in place, without a lock unless the cache
-has a size limit, whose every write then scans the directory), and the processes a test starts
-keep their own when they run pytest, none otherwise.
+The test run keeps one JAX persistent compilation cache (``jax_compilation_cache_dir``, every
+program however quickly it compiled), new for each run, in this run's temporary directory, shared
+by the xdist workers: the harness builds a new ``jit`` for each case and check, and the report's
+checks run op by op, so many programs are ones this worker or the other has compiled already;
+they are then loaded, not compiled again (what runs is the same executable). JAX writes an entry
+in place without a lock (its lock comes with a size limit, whose every write scans the
+directory): an entry read half-written fails to decompress, and JAX warns and compiles the
+program. The processes a test starts keep their own when they run pytest, none otherwise.
 """
 
 import functools
@@ -111,8 +112,8 @@ _OWN_CACHE_DIR = None  # the run's cache, when this process made it (no xdist): 
 
 
 def pytest_configure(config):
-    """The run's compilation cache, before anything compiles: under xdist one per worker beside
-    the workers' temporary directories, else a directory of this process's own. A
+    """The run's compilation cache, before anything compiles: under xdist in the workers'
+    shared temporary directory (``run_once``'s), else a directory of this process's own. A
     cache the environment names (``JAX_COMPILATION_CACHE_DIR``) is left as it is."""
     global _OWN_CACHE_DIR
     if jax.config.jax_compilation_cache_dir is not None:
@@ -120,10 +121,7 @@ def pytest_configure(config):
     if os.environ.get("PYTEST_XDIST_WORKER") is not None:
         if not config.option.basetemp:
             return
-        # One per worker: JAX writes an entry in place, unlocked, so a shared one could be read
-        # half-written (a lock, its size limit, makes each write scan the directory: slower).
-        worker = os.environ["PYTEST_XDIST_WORKER"]
-        directory = pathlib.Path(config.option.basetemp).parent / f"jax_compilation_cache_{worker}"
+        directory = pathlib.Path(config.option.basetemp).parent / "jax_compilation_cache"
     elif getattr(config.option, "dist", "no") != "no":  # xdist's controller: runs no test
         return
     else:
