@@ -18,6 +18,7 @@ from conformance_tests import book_gpt
 from flax_attention import models
 from flax_attention._init import NARROW_ROWS
 from flax_attention.kernels.native import narrow
+from flax_attention.models import quantized as quantized_module
 from flax_attention.models.quantized import Int8Embed, Int8Linear, Int8Weight, WeightScale
 
 CFG = {
@@ -141,6 +142,16 @@ def test_int8_logits_equal_the_books_model_with_the_dequantized_weights(twin, ti
         if v.ndim == 2 and k not in unquantized and not k.endswith(".mask")
     )
     assert int8 * 4 == float32
+    # the scheme: each output feature's largest weight is +-127 steps of its scale, and every
+    # weight is within half a step of the float one (round to nearest)
+    original = fa.state_dict(model)
+    for key, value in dequantized.items():
+        if value.ndim != 2 or key in unquantized or key.endswith(".mask"):
+            continue
+        w = original[key].astype(np.float64)  # torch layout: (out, in), a row per feature
+        step = np.abs(w).max(axis=1, keepdims=True) / 127
+        np.testing.assert_allclose(np.abs(value).max(axis=1, keepdims=True), 127 * step, rtol=1e-6)
+        assert (np.abs(value - w) <= step / 2 * (1 + 1e-5)).all(), key
     again = models.GPTModel(cfg, rngs=nnx.Rngs(1))
     fa.load_state_dict(again, dequantized)
     again = models.quantize(again)
@@ -176,6 +187,20 @@ def test_int8_generation_equals_the_dequantized_models_and_on_xla_alike(twin, mo
     assert _error(logits, np.asarray(dense(jnp.asarray(IDS[:, :5])))) <= 1e-5
 
 
+def test_quantizing_the_dequantized_weights_gives_every_scale_back():
+    """One feature per float32 mantissa (a binade; powers of two scale exactly), its largest
+    weight that value: dequantized (``q * scale``, as ``state_dict`` exports) and quantized
+    again, every scale and q come back bit for bit."""
+    amax = (np.arange(2**23, dtype=np.uint32) | np.uint32(0x3F800000)).view(np.float32)
+    w = np.stack([amax, -amax / 3])  # (in 2, out 2^23): a kernel, features on the last axis
+    q, scale = (np.asarray(a) for a in quantized_module._quantize(w, axis=1))
+    dequantized = q.astype(np.float32) * scale[None, :]
+    q_again, scale_again = (np.asarray(a) for a in quantized_module._quantize(dequantized, 1))
+    np.testing.assert_array_equal(scale_again, scale)
+    np.testing.assert_array_equal(q_again, q)
+    assert (q[0] == 127).all()
+
+
 def test_a_quantized_model_refuses_training_loading_and_a_second_quantization(twin):
     model = models.GPTModel(CFG, rngs=nnx.Rngs(0))
     quantized = models.quantize(model)
@@ -190,6 +215,8 @@ def test_a_quantized_model_refuses_training_loading_and_a_second_quantization(tw
     assert all(np.array_equal(x, y) for x, y in zip(before, after, strict=True))
     with pytest.raises(ValueError, match=r"scheme \('int4'\) must be one of \('int8',\)"):
         models.quantize(model, "int4")
+    with pytest.raises(TypeError, match=r"scheme \(8\) must be a str, one of \('int8',\)"):
+        models.quantize(model, 8)
     with pytest.raises(TypeError, match=r"model \(Linear\) must be a flax_attention.models"):
         models.quantize(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
     with pytest.raises(ValueError, match="already quantized"):

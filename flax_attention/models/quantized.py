@@ -52,12 +52,10 @@ def _quantize(w, axis: int):
     the host: IEEE float32 arithmetic, op by op, as written."""
     w = np.asarray(jax.device_get(w), np.float32)
     amax = np.max(np.abs(w), axis=1 - axis)  # (features,)
+    # Quantizing the dequantized weights again gives this scale (and q) back: their max is
+    # fl(127 * scale), and fl(fl(127 * fl(a / 127)) / 127) == fl(a / 127) for every normal
+    # float32 a (the tests try every mantissa).
     scale = np.where(amax > 0, amax / np.float32(127), np.float32(1)).astype(np.float32)
-    # The float next to it that 127 * scale / 127 gives back: the dequantized weights' max is
-    # 127 * scale, so quantizing them again gives this scale exactly (and the same q).
-    seven = np.float32(127)
-    again = (seven * scale) / seven
-    scale = np.where((seven * again) / seven == again, again, scale).astype(np.float32)
     q = np.clip(np.rint(w / np.expand_dims(scale, 1 - axis)), -127, 127).astype(np.int8)
     return jnp.asarray(q), jnp.asarray(scale)
 
@@ -156,7 +154,9 @@ def quantize(model, scheme: str = "int8"):
     is left as it is."""
     from flax_attention.models.gpt import GPTModel
 
-    if not isinstance(scheme, str) or scheme not in SCHEMES:
+    if not isinstance(scheme, str):
+        raise TypeError(f"scheme ({scheme!r}) must be a str, one of {SCHEMES}")
+    if scheme not in SCHEMES:
         raise ValueError(f"scheme ({scheme!r}) must be one of {SCHEMES} (int8 weights)")
     if not isinstance(model, GPTModel):
         raise TypeError(f"model ({type(model).__name__}) must be a flax_attention.models.GPTModel")
