@@ -59,8 +59,6 @@ LANES = 16  # attention.cc pads a row of scores to a multiple of this
 
 #: (query rows bq, keys n) per call: bq is the kernel's default (64 rows, 128 from 2048
 #: queries), n the keys of one tile (at most 512; fewer on the causal diagonal and at t256).
-#: The 2026-11-23 13:46 measurement in docs/performance.md predates the key tiles: it timed the
-#: kernel's earlier calls (32 to 128 rows by a whole causal row, up to 4096 keys).
 SGEMM_SHAPES = ((64, 128), (64, 256), (64, 512), (128, 256), (128, 512))
 QUICK_SGEMM_SHAPES = ((32, 128), (128, 256))
 KERNEL_SHAPES = ((8, 256), (8, 1024), (1, 4096))

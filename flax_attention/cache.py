@@ -14,7 +14,7 @@ cache) and ``W_query`` (whose dtype is the cache's default); it knows no layer c
 
 Heads first, because the attention reads the cache as it is stored: XLA's CPU dot takes the
 batch axes ``(b, h)`` leading, so a ``(..., max_length, h, d)`` cache was copied into that order
-on every step (about half the b8 decode time); now only the ``n`` new tokens are swapped into
+on every step (docs/performance.md measures it); now only the ``n`` new tokens are swapped into
 place (``append``) and the core reads the cache with ``kv_layout="hsd"``.
 
 The cached keys and values carry partition metadata like the keys and values themselves, heads

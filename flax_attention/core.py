@@ -47,8 +47,10 @@ is a ``ValueError`` (``None`` picks one that can).
 
 What is masked, and with what, is one ``AttentionMask`` (``flax_attention.masking``) built once
 per call from ``is_causal``, ``query_offset``, ``mask`` and ``fill_value``; every implementation
-consumes it. A new implementation is a name in ``Implementation`` and one ``case`` in
-``_run``.
+consumes it. A new implementation is a name in ``Implementation``, one ``case`` in ``_run``
+(and its entry in ``_run``'s heads-first swap when it cannot read keys and values laid out
+``(..., h, s, d)``), what it cannot do in ``_check_choice``, and where ``None`` should pick it,
+in ``select_implementation``.
 
 Meshes: under ``jax.set_mesh`` with ``Explicit`` axes (sharding in types) the implementations run
 inside ``jax.sharding.auto_axes`` and return their results laid out like the queries (heads, or

@@ -1,9 +1,9 @@
 """Which scores attention fills, and with what: one description for every implementation.
 
 ``dot_product_attention`` turns its ``is_causal``, ``query_offset``, ``mask`` and ``fill_value``
-into one ``AttentionMask``; every kernel (``reference`` in ``flax_attention.core``, ``blocked``
-and the ``jax.nn`` adapter in ``flax_attention.kernels``) reads that and nothing else. The rule,
-written once in ``AttentionMask.apply``:
+into one ``AttentionMask``; every kernel (``reference`` in ``flax_attention.core``, ``blocked``,
+``native`` and the ``jax.nn`` adapter in ``flax_attention.kernels``) reads that and nothing
+else. The rule, written once in ``AttentionMask.apply``:
 
 1. where the caller's mask is ``False``, the (scaled) score becomes ``fill_value``, clipped to
    the dtype's finite range (the annotated-transformer post's ``-1e10`` is ``-65504`` in float16);

@@ -3,6 +3,8 @@ attention_mask)`` in the core's layout (``flax_attention.core``) with an ``Atten
 (``flax_attention.masking``) saying what to hide:
 
 - ``blocked``: flash-style tiles in JAX with a custom VJP (``BlockSizes`` sets the tiles);
+- ``native``: the same tiles as a C++ kernel through ``jax.ffi`` (CPU; ``kernels.native``,
+  imported on its own: its loading says why it is off where it cannot run);
 - ``jax_nn``: ``jax.nn.dot_product_attention`` (``xla``, ``cudnn``) behind the core's conventions.
 
 ``flax_attention.core.dot_product_attention`` dispatches to them by ``implementation`` name.

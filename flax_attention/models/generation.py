@@ -316,8 +316,8 @@ def _argmax(logits):
     whether it holds a NaN, then the first index holding the maximum (the first NaN where there
     is one, as ``jnp.argmax`` picks), so ties, NaN and all ``-inf`` rows give ``jnp.argmax``'s
     index. XLA's CPU argmax is one reduction over (value, index) pairs, which it does not
-    vectorise; these reductions are about 6 times faster over GPT-2's logits
-    (``docs/performance.md``, "Choosing an implementation")."""
+    vectorise; these reductions are faster (over GPT-2's logits:
+    ``docs/performance.md``, "Choosing an implementation")."""
     nan = jnp.isnan(logits)  # (b, V)
     top = jnp.max(logits, axis=-1, keepdims=True)  # (b, 1)
     hit = jnp.where(jnp.any(nan, axis=-1, keepdims=True), nan, logits == top)  # (b, V)

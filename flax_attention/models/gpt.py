@@ -187,7 +187,7 @@ class LayerNorm(nnx.Module):
         centered = x32 - x32.mean(axis=-1, keepdims=True)  # (..., d)
         var = (centered * centered).mean(axis=-1, keepdims=True)  # (..., 1), unbiased=False
         # The centred values once and rsqrt, not jnp.var and a division: the same variance, and
-        # XLA's CPU code for the gradient takes a third of the time (docs/performance.md).
+        # XLA's CPU code for the gradient is faster (docs/performance.md).
         norm_x = centered * jax.lax.rsqrt(var + self.eps)
         lead = (1,) * (x.ndim - 1)  # explicit broadcasts: rank promotion may raise
         scale = self.scale[...].astype(x32.dtype).reshape(*lead, -1)  # (..., d)

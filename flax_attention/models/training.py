@@ -198,7 +198,7 @@ def train_step(model, optimizer: nnx.Optimizer, input_batch, target_batch):
 
     The step updates in place, as torch's ``optimizer.step()`` does: the model's and the
     optimiser's arrays are donated to it, so XLA writes the new ones over the old (no second
-    copy of the weights and both Adam moments, 1.5 GB for GPT-2 small). Arrays taken from
+    copy of the weights and both Adam moments: docs/performance.md). Arrays taken from
     ``nnx.state(model)`` before a step are deleted by it; copy them (``jnp.copy(x)``) to keep
     them. An array that NumPy still views (``np.asarray(x)`` on the CPU) is not donated: the
     step leaves it and writes a new one."""

@@ -212,7 +212,7 @@ float* Scratch(size_t size) {
 // ---- products: a register-blocked micro-kernel for the heads' short products --------------
 // The tiles' products contract over a head's 64 features or a tile's rows: too short for a
 // BLAS, which packs both operands on every call and stores C after each 64-long panel
-// (scipy-openblas32 ran them at 55-85% of a core's peak). Here every product is one form,
+// (docs/performance.md, "The native kernel's products"). Here every product is one form,
 //   C[i][n] = alpha * sum_k A[i * am + k * ak] * B[k * ldb + n]  (+ C[i][n] when accumulating)
 // with B's rows contiguous over n (N, the scores' padded row, dk or dv, a multiple of 16): C in
 // blocks of 6 rows x 64 columns, per k one vector load of B per vector of columns and one
@@ -604,7 +604,7 @@ ffi::Error Decode(Attention& a, F32x4 q, F32x4 k,
 
 // The keys (and values, for the backward) transposed per head for the micro-kernel, one task
 // per (batch, head). Their buffer is as large as the keys and values: a fresh one per call
-// costs its page faults every call (5 ms of b8 t1024's 83 ms forward), so one buffer of up
+// costs its page faults every call (measured in docs/performance.md), so one buffer of up
 // to 256 MB is kept for the process and lent to whichever call finds it free; a call that
 // needs more, or runs while another holds it, has a buffer of its own for the call.
 struct Transposed {
