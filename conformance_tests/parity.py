@@ -81,8 +81,10 @@ class ParityOptions:
         if weights is not None and (len(weights) != 2 or not all(map(callable, weights))):
             raise TypeError(f"weights ({weights!r}) must be a pair of callables (load, export)")
         steps = self.train_steps
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-            raise ValueError(f"train_steps ({steps!r}) must be a positive int")
+        if isinstance(steps, bool) or not isinstance(steps, int):
+            raise TypeError(f"train_steps ({steps!r}) must be an int (a positive integer)")
+        if steps < 1:
+            raise ValueError(f"train_steps ({steps}) must be positive (an integer >= 1)")
         if self.reference_dtype not in ("float32", "float64"):
             raise ValueError(
                 f"reference_dtype ({self.reference_dtype!r}) must be 'float32' or 'float64'"

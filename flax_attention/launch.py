@@ -32,6 +32,8 @@ import time
 from collections.abc import Sequence
 from typing import NamedTuple
 
+from flax_attention._checks import check_positive_int
+
 __all__ = ["COORDINATOR", "NUM_PROCESSES", "PROCESS_ID", "Launch", "initialize", "launch", "main"]
 
 COORDINATOR = "FLAX_ATTENTION_COORDINATOR"
@@ -91,8 +93,7 @@ class Launch(NamedTuple):
 
 
 def _check_count(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} ({value!r}) must be a positive int")
+    check_positive_int(name, value)
 
 
 def launch(

@@ -43,6 +43,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from flax_attention._checks import check_positive_int
 from flax_attention.axes import (
     DATA,
     FROM_HEADS,
@@ -229,8 +230,7 @@ def global_batch(local, mesh: jax.sharding.Mesh, batch_size: int | None = None) 
             )
         batch_size = rows // mine * data
     else:
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size ({batch_size!r}) must be a positive int")
+        check_positive_int("batch_size", batch_size)
         if batch_size % data != 0:
             raise ValueError(
                 f"batch_size ({batch_size}) must be divisible by the mesh's data axis ({data})"

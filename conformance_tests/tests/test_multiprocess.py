@@ -248,10 +248,13 @@ def test_shard_places_an_abstract_model_where_a_load_then_puts_each_tensor():
 
 
 def test_the_launcher_refuses_bad_counts_and_an_empty_command():
-    with pytest.raises(ValueError, match=r"^processes \(0\) must be a positive int$"):
+    with pytest.raises(ValueError, match=r"^processes \(0\) must be positive \(an integer >= 1\)$"):
         launcher.launch(["true"], 0)
-    with pytest.raises(ValueError, match=r"^devices_per_process \(True\) must be a positive int$"):
+    message = r"^devices_per_process \(True\) must be an int \(a positive integer\)$"
+    with pytest.raises(TypeError, match=message):
         launcher.launch(["true"], 2, True)
+    with pytest.raises(TypeError, match=r"^processes \(1.5\) must be an int \(a positive"):
+        launcher.launch(["true"], 1.5)
     with pytest.raises(ValueError, match=r"^command \(\[\]\) must name a program to run$"):
         launcher.launch([], 2)
 

@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from flax_attention._checks import check_positive_int
 from flax_attention._init import linear_factory, rows_dot_general
 from flax_attention._inputs import check_model_inputs
 from flax_attention.axes import (
@@ -132,16 +133,16 @@ def check_config(cfg) -> dict:
         raise ValueError(f"cfg must have key {missing[0]!r} (missing: {missing})")
     cfg = {**OPTIONAL_KEYS, **cfg}
     for key in ("vocab_size", "context_length", "emb_dim", "n_heads", "n_layers"):
-        value = cfg[key]
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-            raise ValueError(f"cfg[{key!r}] ({value!r}) must be a positive int")
+        check_positive_int(f"cfg[{key!r}]", cfg[key])
     if cfg["emb_dim"] % cfg["n_heads"] != 0:
         raise ValueError(
             f"cfg['emb_dim'] ({cfg['emb_dim']}) must be divisible by cfg['n_heads'] "
             f"({cfg['n_heads']})"
         )
     rate = cfg["drop_rate"]
-    if isinstance(rate, bool) or not isinstance(rate, numbers.Real) or not 0 <= rate < 1:
+    if isinstance(rate, bool) or not isinstance(rate, numbers.Real):
+        raise TypeError(f"cfg['drop_rate'] ({rate!r}) must be a float in [0, 1)")
+    if not 0 <= rate < 1:
         raise ValueError(f"cfg['drop_rate'] ({rate!r}) must be a float in [0, 1)")
     for key in ("qkv_bias", "tie_word_embeddings"):
         if not isinstance(cfg[key], bool):
