@@ -161,7 +161,6 @@ def select_implementation(
     *,
     need_weights=False,
     dropout=None,
-    blocked_min_scores: int = BLOCKED_MIN_SCORES,
     kv_layout: KVLayout = "shd",
 ) -> str:
     """What ``implementation=None`` runs: the fastest that runs these inputs and does what the
@@ -172,7 +171,7 @@ def select_implementation(
       applies it as it is);
     - GPU and TPU: ``xla`` (XLA's fused attention; ``cudnn`` is opt-in, it takes half
       precision only and is not yet measured here), or ``reference`` while dropout is active;
-    - CPU: from ``blocked_min_scores`` score entries per head (the tiled kernels skip the causal
+    - CPU: from ``BLOCKED_MIN_SCORES`` score entries per head (the tiled kernels skip the causal
       half and never materialise the scores), ``native`` where ``native.can_run`` the inputs
       (the kernel built, queries, keys and, when given, values float32 or bfloat16;
       ``native.why_unavailable()`` says why not), else ``blocked``; ``reference`` below the
@@ -193,7 +192,7 @@ def select_implementation(
     if jax.default_backend() != "cpu":
         return "reference" if _dropout_active(dropout) else "xla"
     queries_count = queries.shape[-3]
-    if queries_count * _kv_length(keys, kv_layout) < blocked_min_scores:
+    if queries_count * _kv_length(keys, kv_layout) < BLOCKED_MIN_SCORES:
         return "reference"
     if kv_layout == "hsd" and queries_count < NATIVE_MIN_QUERIES_HSD:
         return "reference" if queries_count == 1 else "blocked"
