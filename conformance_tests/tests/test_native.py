@@ -228,24 +228,34 @@ def _widest_vectors() -> int:
 
 
 @pytestmark_native
-def test_products_follow_the_cpu(monkeypatch):
+def test_products_follow_the_cpu():
     """The portable library's micro-kernel copy is the widest this CPU runs (a one-arch build's
     is its -march's, no wider than the CPU); by default the tiles' products run on the
     micro-kernel exactly where that copy has 16-float vectors (AVX-512), on the BLAS elsewhere;
-    ``FLAX_ATTENTION_NATIVE_PRODUCTS`` chooses either, on every CPU."""
-    monkeypatch.delenv("FLAX_ATTENTION_NATIVE_PRODUCTS", raising=False)
+    ``native_attention(..., products=)`` chooses either for a call (the tests below), and
+    nothing else does: no environment variable is read."""
     width = native._micro_width()
     if native._per_cpu_copies():
         assert width == _widest_vectors()
     assert width in (16, 8, 4) and width <= _widest_vectors()
     assert native.products() == ("micro" if width == 16 else "blas")
-    monkeypatch.setenv("FLAX_ATTENTION_NATIVE_PRODUCTS", "blas")
-    assert native.products() == "blas"
-    monkeypatch.setenv("FLAX_ATTENTION_NATIVE_PRODUCTS", "micro")
-    assert native.products() == "micro"
+    q = jnp.zeros((1, 4, 1, 16), jnp.float32)
+    with pytest.raises(ValueError, match=r"products \('sgemm'\) must be one of \(None, 'blas'"):
+        native.native_attention(q, q, q, products="sgemm")
+    # The keyword reaches the kernel: the two sum in different orders, so some last bits differ,
+    # and the default is what products() names.
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.standard_normal((2, 70, 2, 64)), jnp.float32) for _ in "qkv")
+    causal = AttentionMask(is_causal=True)
+    outs = {
+        p: np.asarray(native.native_attention(q, k, v, causal, products=p))
+        for p in (None, "blas", "micro")
+    }
+    assert not np.array_equal(outs["blas"], outs["micro"])
+    np.testing.assert_array_equal(outs[None], outs[native.products()])
 
 
-#: The micro-kernel's own cases, run with ``FLAX_ATTENTION_NATIVE_PRODUCTS=micro`` so that every
+#: The micro-kernel's own cases, run with ``products="micro"`` so that every
 #: CPU runs it (by default only AVX-512 ones do): (name, batch, t, s, h, d_k, d_v, is_causal,
 #: mask shape, offset, fill, [(block_q, block_k), ...]). Its blocks are 6 rows x 64 columns, so:
 #: - ``tails_causal``: every product meets row blocks that leave 1 to 5 rows (the query tiles'
@@ -263,20 +273,20 @@ MICRO_CASES = [
 
 @pytestmark_native
 @pytest.mark.parametrize("case", MICRO_CASES, ids=[c[0] for c in MICRO_CASES])
-def test_micro_kernel_equals_reference(case, monkeypatch):
-    """``FLAX_ATTENTION_NATIVE_PRODUCTS=micro``: the micro-kernel's copy for this CPU (AVX-512,
+def test_micro_kernel_equals_reference(case):
+    """``products="micro"``: the micro-kernel's copy for this CPU (AVX-512,
     AVX2 or baseline vectors, the same blocking) runs every product, forward and gradients equal
     to ``reference`` for each tiling."""
     name, batch, t, s, h, d_k, d_v, is_causal, mask_shape, offset, fill, tilings = case
     if native._micro_width() == 0:
         pytest.skip("the library has no micro-kernel (a compiler without vector shuffles)")
-    monkeypatch.setenv("FLAX_ATTENTION_NATIVE_PRODUCTS", "micro")
-    assert native.products() == "micro"
     q, k, v, cotangent, mask = _inputs(batch, t, s, h, d_k, d_v, mask_shape)
     expected = _reference_run(("micro", name), mask, is_causal, offset, fill, q, k, v, cotangent)
     assert np.isfinite(np.asarray(expected["out"])).all(), f"{name}: reference must be finite"
     for block_q, block_k in tilings:
-        kernel = _native(mask, is_causal, offset, fill, block_q=block_q, block_k=block_k)
+        kernel = _native(
+            mask, is_causal, offset, fill, block_q=block_q, block_k=block_k, products="micro"
+        )
         what = f"{name} on the micro-kernel, block_q {block_q}, block_k {block_k}"
         _assert_close(expected, _run(kernel, q, k, v, cotangent), what)
 
@@ -288,16 +298,17 @@ BLAS_CASES = ["tiles_65_causal", "head_dim_256", "cross_7_11", "mask_bhts_causal
 
 @pytestmark_native
 @pytest.mark.parametrize("name", BLAS_CASES)
-def test_blas_products_equal_reference(name, monkeypatch):
-    """``FLAX_ATTENTION_NATIVE_PRODUCTS=blas`` (read at each call): scipy-openblas32's sgemm for
+def test_blas_products_equal_reference(name):
+    """``products="blas"``: scipy-openblas32's sgemm for
     every product, forward and gradients equal to ``reference``, over key tiles of 8 too."""
     case = next(c for c in CASES if c[0] == name)
     _, batch, t, s, h, d_k, d_v, is_causal, mask_shape, offset, fill, block_q = case
     q, k, v, cotangent, mask = _inputs(batch, t, s, h, d_k, d_v, mask_shape)
     expected = _reference_run(name, mask, is_causal, offset, fill, q, k, v, cotangent)
-    monkeypatch.setenv("FLAX_ATTENTION_NATIVE_PRODUCTS", "blas")
     for block_k in (0, 8):
-        kernel = _native(mask, is_causal, offset, fill, block_q=block_q, block_k=block_k)
+        kernel = _native(
+            mask, is_causal, offset, fill, block_q=block_q, block_k=block_k, products="blas"
+        )
         _assert_close(expected, _run(kernel, q, k, v, cotangent), f"{name} on the BLAS")
 
 

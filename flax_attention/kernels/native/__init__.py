@@ -13,11 +13,11 @@ queries, unless given) by ``block_k`` keys (512 unless given); the forward runs 
 softmax across a row's key tiles. The tiles' products run on the kernel's own micro-kernel
 (one source, compiled for AVX-512, AVX2 and baseline vectors) where the CPU has AVX-512 and the
 head dims are multiples of 16 (GPT-2's 64), on scipy-openblas32's ``sgemm`` (single-threaded per
-call) elsewhere (``products()`` says which; ``FLAX_ATTENTION_NATIVE_PRODUCTS=blas`` or ``=micro``
-asks for one). The parallelism is XLA's intra-op thread pool, one task per (batch, head, query
-block) forward and per (batch, head) backward. Inputs of float32 or bfloat16 are computed in
-float32 and the result cast back; ``precision`` is accepted for the common signature: the kernel
-always multiplies in full float32 (``HIGHEST``).
+call) elsewhere (``products()`` says which; ``native_attention(..., products="blas")`` or
+``"micro"`` asks for one). The parallelism is XLA's intra-op thread pool, one task per (batch,
+head, query block) forward and per (batch, head) backward. Inputs of float32 or bfloat16 are
+computed in float32 and the result cast back; ``precision`` is accepted for the common
+signature: the kernel always multiplies in full float32 (``HIGHEST``).
 
 The library is built by the package's install (``setup.py``). Where it was not built, cannot be
 loaded, or ``FLAX_ATTENTION_NATIVE=0`` is set in the environment at import, ``available()`` is
@@ -72,6 +72,8 @@ __all__ = [
 ]
 
 _FORWARD, _BACKWARD = "flax_attention_native_forward", "flax_attention_native_backward"
+#: ``native_attention``'s ``products`` -> the kernel's ``products`` attribute.
+_PRODUCTS = {None: 0, "blas": 1, "micro": 2}
 _HERE = pathlib.Path(__file__).parent
 _LIBRARY: list = []  # the loaded library, once ``_load`` has loaded it
 
@@ -142,9 +144,9 @@ def products() -> str | None:
 
     By default the micro-kernel runs where the library's copy for this CPU has 16-float vectors
     (x86-64 CPUs with AVX-512), the BLAS elsewhere (with AVX2 the micro-kernel's blocks spill
-    registers and it is slower). ``FLAX_ATTENTION_NATIVE_PRODUCTS``, read by the kernel at each
-    call, chooses instead: ``blas``, or ``micro`` (on every CPU where the micro-kernel is built:
-    how the tests run it on CPUs without AVX-512)."""
+    registers and it is slower). ``native_attention(..., products=)`` chooses for one call
+    instead: ``"blas"``, or ``"micro"`` (on every CPU where the micro-kernel is built: how the
+    tests run it on CPUs without AVX-512)."""
     if _load() is not None:
         return None
     return "micro" if _LIBRARY[0].FlaxAttentionMicroKernel() == 1 else "blas"
@@ -197,6 +199,7 @@ def native_attention(
     dropout_seed=None,
     block_q: int = 0,
     block_k: int = 0,
+    products: str | None = None,
 ):
     """Flash-style attention in C++: ``(..., t, h, d_k), (..., s, h, d_k), (..., s, h, d_v)``
     -> ``(..., t, h, d_v)``, with what ``attention_mask`` hides (``None``: nothing); equal to
@@ -216,6 +219,8 @@ def native_attention(
       block_q: query rows per tile, 1 to 1024; ``0`` = 64 (128 from 2048 queries).
       block_k: keys per tile, ``0`` = 512; rows longer than one tile go through an online
         softmax over their key tiles.
+      products: what multiplies the tiles where ``d_k`` and ``d_v`` are multiples of 16:
+        ``None`` the default for this CPU (``products()``), ``"blas"`` or ``"micro"``.
     """
     del precision  # always float32 products and sums
     reason = why_not_here()
@@ -232,6 +237,8 @@ def native_attention(
         if value < 0 or (most is not None and value > most):
             limit = f"from 0 to {most}" if most else "0 or more"
             raise ValueError(f"{name} ({value}) must be {limit} (0: the default tile)")
+    if products not in _PRODUCTS:
+        raise ValueError(f"products ({products!r}) must be one of {tuple(_PRODUCTS)}")
     return run(
         queries,
         keys,
@@ -241,6 +248,7 @@ def native_attention(
         dropout_seed=dropout_seed,
         block_q=block_q,
         block_k=block_k,
+        products=products,
     )
 
 
@@ -254,6 +262,7 @@ def run(
     dropout_seed=None,
     block_q: int = 0,
     block_k: int = 0,
+    products: str | None = None,
 ):
     """``native_attention`` after its checks: the attention core calls this, having checked the
     kernel and the dtypes once (``can_run``, ``check_dtypes``). Same arguments, no
@@ -270,6 +279,7 @@ def run(
         drop_scale=1.0 / (1.0 - dropout_rate),
         block_q=int(block_q),
         block_k=int(block_k),
+        products=_PRODUCTS[products],
     )
     if keep is None:
         keep = jnp.ones((1,) * (len(lead) + 3), bool)  # not read by the kernel
@@ -391,6 +401,7 @@ class _Config:
     drop_scale: float
     block_q: int
     block_k: int
+    products: int = 0  # the kernel's code: 0 its default, 1 the BLAS, 2 the micro-kernel
 
     def attributes(self) -> dict:
         return dict(
@@ -401,6 +412,7 @@ class _Config:
             drop_scale=np.float32(self.drop_scale),
             block_q=np.int64(self.block_q),
             block_k=np.int64(self.block_k),
+            products=np.int32(self.products),
         )
 
 

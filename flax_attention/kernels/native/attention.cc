@@ -25,8 +25,8 @@
 // where D is the dropout keep-mask times 1 / (1 - rate), regenerated from the same hash.
 //
 // The products: the kernel's own micro-kernel (MicroGemm, below) where dk and dv are multiples
-// of 16 and MicroKernel allows it (by default on CPUs with AVX-512; on every CPU with
-// FLAX_ATTENTION_NATIVE_PRODUCTS=micro), scipy-openblas32's sgemm otherwise.
+// of 16 and MicroKernel allows it (by default on CPUs with AVX-512; on every CPU when the
+// call's `products` attribute asks for it), scipy-openblas32's sgemm otherwise.
 //
 // Masking semantics (those of the reference): the caller's mask fills a score with fill_value
 // (-inf, or document 001's -1e10); a key the causal mask hides stays -inf (it is skipped), so
@@ -549,16 +549,17 @@ void BackwardHead(const Attention& a, int64_t b, int64_t hd, const float* out, c
   }
 }
 
-// Whether the products run on the micro-kernel, head dims aside. FLAX_ATTENTION_NATIVE_PRODUCTS,
-// read at each call, chooses: blas, or micro (wherever the micro-kernel is built: how the tests
-// run it on every CPU). Unset (or any other value): the micro-kernel where its copy for this CPU
-// has 16-float vectors (AVX-512), the BLAS elsewhere: with 8-float vectors (AVX2) the 6 x 64
-// block wants 48 accumulators of the 16 registers, and the spills make it slower than the BLAS
-// (measured: docs/performance.md, "The micro-kernel on every CPU").
-bool MicroKernel() {
-  const char* products = std::getenv("FLAX_ATTENTION_NATIVE_PRODUCTS");
-  if (!FLAX_ATTENTION_MICRO || (products && std::strcmp(products, "blas") == 0)) return false;
-  if (products && std::strcmp(products, "micro") == 0) return true;
+// Whether the products run on the micro-kernel, head dims aside. The call's `products` attribute
+// chooses: 1 the BLAS, 2 the micro-kernel (wherever it is built: how the tests run it on every
+// CPU). 0, the default: the micro-kernel where its copy for this CPU has 16-float vectors
+// (AVX-512), the BLAS elsewhere: with 8-float vectors (AVX2) the 6 x 64 block wants 48
+// accumulators of the 16 registers, and the spills make it slower than the BLAS (measured:
+// docs/performance.md, "The micro-kernel on every CPU").
+constexpr int32_t kProductsBlas = 1, kProductsMicro = 2;
+
+bool MicroKernel(int32_t products) {
+  if (!FLAX_ATTENTION_MICRO || products == kProductsBlas) return false;
+  if (products == kProductsMicro) return true;
   return MicroWidth() == 16;
 }
 
@@ -568,7 +569,7 @@ ffi::Error Decode(Attention& a, F32x4 q, F32x4 k,
                   F32x4 v, Mask mask,
                   Offset offset, Seed seed, Index batch_index, Index head_index, bool is_causal,
                   bool has_mask, float fill_value, uint32_t drop_threshold, float drop_scale,
-                  int64_t block_q, int64_t block_k) {
+                  int64_t block_q, int64_t block_k, int32_t products) {
   auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), md = mask.dimensions();
   a.batch = qd[0], a.t = qd[1], a.heads = qd[2], a.dk = qd[3], a.s = kd[1], a.dv = vd[3];
   if (kd[0] != a.batch || vd[0] != a.batch || kd[2] != a.heads || vd[2] != a.heads ||
@@ -597,7 +598,7 @@ ffi::Error Decode(Attention& a, F32x4 q, F32x4 k,
   a.bk = block_k > 0 ? block_k : 512;
   if (a.bq > kMaxRows)
     return ffi::Error::InvalidArgument("native attention: block_q must be at most 1024");
-  a.micro = MicroKernel() && a.dk % 16 == 0 && a.dv % 16 == 0;
+  a.micro = MicroKernel(products) && a.dk % 16 == 0 && a.dv % 16 == 0;
   a.sp = Padded(a.s + kLanes);
   return ffi::Error::Success();
 }
@@ -648,10 +649,11 @@ ffi::Error Forward(ffi::ThreadPool pool, F32x4 q, F32x4 k,
                    ffi::ResultBuffer<ffi::F32, 4> out, ffi::ResultBuffer<ffi::F32, 3> m,
                    ffi::ResultBuffer<ffi::F32, 3> l, bool is_causal, bool has_mask,
                    float fill_value, uint32_t drop_threshold, float drop_scale, int64_t block_q,
-                   int64_t block_k) {
+                   int64_t block_k, int32_t products) {
   Attention a;
   if (auto e = Decode(a, q, k, v, mask, offset, seed, batch_index, head_index, is_causal,
-                      has_mask, fill_value, drop_threshold, drop_scale, block_q, block_k);
+                      has_mask, fill_value, drop_threshold, drop_scale, block_q, block_k,
+                      products);
       e.failure())
     return e;
   Transposed transposed;  // released when the call returns
@@ -673,10 +675,11 @@ ffi::Error Backward(ffi::ThreadPool pool, F32x4 q, F32x4 k,
                     ffi::ResultBuffer<ffi::F32, 4> dq, ffi::ResultBuffer<ffi::F32, 4> dk,
                     ffi::ResultBuffer<ffi::F32, 4> dv, bool is_causal, bool has_mask,
                     float fill_value, uint32_t drop_threshold, float drop_scale,
-                    int64_t block_q, int64_t block_k) {
+                    int64_t block_q, int64_t block_k, int32_t products) {
   Attention a;
   if (auto e = Decode(a, q, k, v, mask, offset, seed, batch_index, head_index, is_causal,
-                      has_mask, fill_value, drop_threshold, drop_scale, block_q, block_k);
+                      has_mask, fill_value, drop_threshold, drop_scale, block_q, block_k,
+                      products);
       e.failure())
     return e;
   Transposed transposed;  // released when the call returns
@@ -699,8 +702,9 @@ ffi::Error Backward(ffi::ThreadPool pool, F32x4 q, F32x4 k,
 #endif
 extern "C" const char* FlaxAttentionJaxlibVersion() { return FLAX_ATTENTION_JAXLIB; }
 
-// 1 where a call now would run its products on the micro-kernel (head dims multiples of 16).
-extern "C" int FlaxAttentionMicroKernel() { return MicroKernel(); }
+// 1 where a call with the default `products` runs them on the micro-kernel (head dims multiples
+// of 16).
+extern "C" int FlaxAttentionMicroKernel() { return MicroKernel(0); }
 
 // The floats per vector of the micro-kernel's copy for this CPU: 16 (AVX-512), 8 (AVX), 4; 0
 // where it is not built.
@@ -730,7 +734,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FlaxAttentionForward, Forward,
                                   .Attr<uint32_t>("drop_threshold")
                                   .Attr<float>("drop_scale")
                                   .Attr<int64_t>("block_q")
-                                  .Attr<int64_t>("block_k"));
+                                  .Attr<int64_t>("block_k")
+                                  .Attr<int32_t>("products"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FlaxAttentionBackward, Backward,
                               ffi::Ffi::Bind()
@@ -756,4 +761,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FlaxAttentionBackward, Backward,
                                   .Attr<uint32_t>("drop_threshold")
                                   .Attr<float>("drop_scale")
                                   .Attr<int64_t>("block_q")
-                                  .Attr<int64_t>("block_k"));
+                                  .Attr<int64_t>("block_k")
+                                  .Attr<int32_t>("products"));
