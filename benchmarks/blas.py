@@ -396,19 +396,6 @@ def time_sgemm(blases, workdir, shapes, repeats, rng) -> list[dict]:
 # ---- the kernel ----------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def _targets(forward: str, backward: str):
-    """Trace the package's ``native_attention`` with another build's FFI target names."""
-    from flax_attention.kernels import native
-
-    saved = native._FORWARD, native._BACKWARD
-    native._FORWARD, native._BACKWARD = forward, backward
-    try:
-        yield
-    finally:
-        native._FORWARD, native._BACKWARD = saved
-
-
 def _register(build_name: str, path: str) -> tuple[str, str]:
     """The FFI target names of the library at ``path``, registered as ``build_name``'s."""
     import jax
@@ -425,12 +412,13 @@ def _register(build_name: str, path: str) -> tuple[str, str]:
 
 
 def _compile(fn, args, names, backward: bool) -> object:
-    """``fn`` jitted and compiled with the build ``names`` in place of the package's."""
+    """``fn(*args, targets=names)`` jitted and compiled: ``native_attention`` inside it calls the
+    build ``names`` (its FFI targets) instead of the package's."""
+    import functools
+
     import jax
 
-    jax.clear_caches()  # no trace of another build's names is reused
-    with _targets(*names):
-        lowered = jax.jit(fn).lower(*args)
+    lowered = jax.jit(functools.partial(fn, targets=names)).lower(*args)
     text = lowered.as_text()
     if not all(name in text for name in names[: 2 if backward else 1]):
         raise RuntimeError(f"the trace does not call {names}: cannot time this build")
@@ -462,11 +450,14 @@ def time_kernel(blases, workdir, shapes, repeats) -> list[dict]:
             blas.name, build(blas, KERNEL_SOURCE, workdir, f"kernel_{blas.name}")
         )
 
-    def forward(q, k, v):
-        return native_attention(q, k, v, causal, products="blas")
+    def forward(q, k, v, *, targets):
+        return native_attention(q, k, v, causal, products="blas", targets=targets)
 
-    def forward_backward(q, k, v):  # the gradient of sum(out): d_out = 1
-        return jax.grad(lambda q, k, v: forward(q, k, v).sum(), (0, 1, 2))(q, k, v)
+    def forward_backward(q, k, v, *, targets):  # the gradient of sum(out): d_out = 1
+        def loss(q, k, v):
+            return forward(q, k, v, targets=targets).sum()
+
+        return jax.grad(loss, (0, 1, 2))(q, k, v)
 
     rows = []
     for batch, tokens in shapes:

@@ -38,11 +38,14 @@ def run(shapes=bench.KERNEL_SHAPES, repeats=20) -> dict:
         raise RuntimeError(f"the package's native kernel is unavailable: {why_unavailable()}")
     causal = AttentionMask(is_causal=True)
 
-    def forward(q, k, v):
-        return native_attention(q, k, v, causal)
+    def forward(q, k, v, *, targets):
+        return native_attention(q, k, v, causal, targets=targets)
 
-    def forward_backward(q, k, v):  # the gradient of sum(out): d_out = 1
-        return jax.grad(lambda q, k, v: forward(q, k, v).sum(), (0, 1, 2))(q, k, v)
+    def forward_backward(q, k, v, *, targets):  # the gradient of sum(out): d_out = 1
+        def loss(q, k, v):
+            return forward(q, k, v, targets=targets).sum()
+
+        return jax.grad(loss, (0, 1, 2))(q, k, v)
 
     machine = {"cpu": bench._cpu_model(), "load_before": bench._load()}
     blas = bench.openblas32()

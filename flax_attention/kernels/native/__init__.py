@@ -200,6 +200,7 @@ def native_attention(
     block_q: int = 0,
     block_k: int = 0,
     products: str | None = None,
+    targets: tuple[str, str] | None = None,
 ):
     """Flash-style attention in C++: ``(..., t, h, d_k), (..., s, h, d_k), (..., s, h, d_v)``
     -> ``(..., t, h, d_v)``, with what ``attention_mask`` hides (``None``: nothing); equal to
@@ -221,6 +222,9 @@ def native_attention(
         softmax over their key tiles.
       products: what multiplies the tiles where ``d_k`` and ``d_v`` are multiples of 16:
         ``None`` the default for this CPU (``products()``), ``"blas"`` or ``"micro"``.
+      targets: the FFI target names ``(forward, backward)`` of another build of this kernel,
+        registered with ``jax.ffi.register_ffi_target`` (how ``benchmarks.blas`` and
+        ``benchmarks.march`` time builds against each other); ``None``: the package's own.
     """
     del precision  # always float32 products and sums
     reason = why_not_here()
@@ -239,6 +243,12 @@ def native_attention(
             raise ValueError(f"{name} ({value}) must be {limit} (0: the default tile)")
     if products not in _PRODUCTS:
         raise ValueError(f"products ({products!r}) must be one of {tuple(_PRODUCTS)}")
+    if targets is not None and (
+        not isinstance(targets, tuple)
+        or len(targets) != 2
+        or not all(isinstance(name, str) for name in targets)
+    ):
+        raise TypeError(f"targets ({targets!r}) must be None or a (forward, backward) pair of str")
     return run(
         queries,
         keys,
@@ -249,6 +259,7 @@ def native_attention(
         block_q=block_q,
         block_k=block_k,
         products=products,
+        targets=targets,
     )
 
 
@@ -263,6 +274,7 @@ def run(
     block_q: int = 0,
     block_k: int = 0,
     products: str | None = None,
+    targets: tuple[str, str] | None = None,
 ):
     """``native_attention`` after its checks: the attention core calls this, having checked the
     kernel and the dtypes once (``can_run``, ``check_dtypes``). Same arguments, no
@@ -280,6 +292,7 @@ def run(
         block_q=int(block_q),
         block_k=int(block_k),
         products=_PRODUCTS[products],
+        targets=(_FORWARD, _BACKWARD) if targets is None else targets,
     )
     if keep is None:
         keep = jnp.ones((1,) * (len(lead) + 3), bool)  # not read by the kernel
@@ -402,6 +415,7 @@ class _Config:
     block_q: int
     block_k: int
     products: int = 0  # the kernel's code: 0 its default, 1 the BLAS, 2 the micro-kernel
+    targets: tuple[str, str] = (_FORWARD, _BACKWARD)  # the FFI targets called
 
     def attributes(self) -> dict:
         return dict(
@@ -413,7 +427,7 @@ class _Config:
             block_q=np.int64(self.block_q),
             block_k=np.int64(self.block_k),
             products=np.int32(self.products),
-        )
+        )  # not the targets: they name the call
 
 
 def _forward(config, q, k, v, mask, offset, seed, batch_index, head_index):
@@ -425,7 +439,7 @@ def _forward(config, q, k, v, mask, offset, seed, batch_index, head_index):
         jax.ShapeDtypeStruct((batch, h, t), f32),
         jax.ShapeDtypeStruct((batch, h, t), f32),
     )
-    call = jax.ffi.ffi_call(_FORWARD, shapes, vmap_method="sequential")
+    call = jax.ffi.ffi_call(config.targets[0], shapes, vmap_method="sequential")
     return call(q, k, v, mask, offset, seed, batch_index, head_index, **config.attributes())
 
 
@@ -443,7 +457,7 @@ def _native_fwd(config, q, k, v, mask, offset, seed, batch_index, head_index):
 def _native_bwd(config, residuals, d_out):
     q, k, v, mask, offset, seed, ids, out, m, denom = residuals
     shapes = tuple(jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in (q, k, v))
-    call = jax.ffi.ffi_call(_BACKWARD, shapes, vmap_method="sequential")
+    call = jax.ffi.ffi_call(config.targets[1], shapes, vmap_method="sequential")
     d_q, d_k, d_v = call(
         q,
         k,
