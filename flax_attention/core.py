@@ -405,7 +405,7 @@ def _run(
             )
         case "native":
             rate, seed = _tiled_dropout(dropout, dropout_key)
-            return native.run(
+            return native.native_attention(
                 queries, keys, values, attention_mask, dropout_rate=rate, dropout_seed=seed
             )
         case "xla" | "cudnn":

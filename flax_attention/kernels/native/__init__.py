@@ -249,7 +249,7 @@ def native_attention(
         or not all(isinstance(name, str) for name in targets)
     ):
         raise TypeError(f"targets ({targets!r}) must be None or a (forward, backward) pair of str")
-    return run(
+    return _run(
         queries,
         keys,
         values,
@@ -263,7 +263,7 @@ def native_attention(
     )
 
 
-def run(
+def _run(
     queries,
     keys,
     values,
@@ -276,9 +276,7 @@ def run(
     products: str | None = None,
     targets: tuple[str, str] | None = None,
 ):
-    """``native_attention`` after its checks: the attention core calls this, having checked the
-    kernel and the dtypes once (``can_run``, ``check_dtypes``). Same arguments, no
-    ``precision`` (the kernel computes in float32)."""
+    """``native_attention``'s body, after its checks: the same arguments, no ``precision``."""
     if attention_mask is None:
         attention_mask = AttentionMask()
     lead, h = queries.shape[:-3], queries.shape[-2]
