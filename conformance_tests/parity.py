@@ -40,6 +40,7 @@ from conformance_tests.checks import CHECK_FUNCTIONS
 from conformance_tests.compare import Row
 from conformance_tests.layers import LayerSpec
 from conformance_tests.pairs import Subject, is_integer
+from flax_attention._checks import check_positive_int
 
 __all__ = ["PARITY_CHECKS", "ParityOptions", "assert_parity", "check_parity"]
 
@@ -81,10 +82,7 @@ class ParityOptions:
         if weights is not None and (len(weights) != 2 or not all(map(callable, weights))):
             raise TypeError(f"weights ({weights!r}) must be a pair of callables (load, export)")
         steps = self.train_steps
-        if isinstance(steps, bool) or not isinstance(steps, int):
-            raise TypeError(f"train_steps ({steps!r}) must be an int (a positive integer)")
-        if steps < 1:
-            raise ValueError(f"train_steps ({steps}) must be positive (an integer >= 1)")
+        check_positive_int("train_steps", steps)
         if self.reference_dtype not in ("float32", "float64"):
             raise ValueError(
                 f"reference_dtype ({self.reference_dtype!r}) must be 'float32' or 'float64'"

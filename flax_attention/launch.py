@@ -92,10 +92,6 @@ class Launch(NamedTuple):
         return not self.timed_out and all(code == 0 for code in self.returncodes)
 
 
-def _check_count(name: str, value) -> None:
-    check_positive_int(name, value)
-
-
 def launch(
     command: Sequence[str],
     processes: int,
@@ -114,9 +110,9 @@ def launch(
     (else they are this process's). When one process fails, or ``timeout`` seconds pass, the
     rest are killed with their children. ``ValueError`` for a count that is not a positive int
     or an empty command."""
-    _check_count("processes", processes)
+    check_positive_int("processes", processes)
     if devices_per_process is not None:
-        _check_count("devices_per_process", devices_per_process)
+        check_positive_int("devices_per_process", devices_per_process)
     if not command:
         raise ValueError("command ([]) must name a program to run")
     base = dict(os.environ if env is None else env)

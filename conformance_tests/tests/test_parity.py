@@ -90,6 +90,7 @@ def test_a_users_pair_that_differs_fails_by_name():
          "replaces layout"),
         (dict(weights=(fa.load_state_dict,)), TypeError, "pair of callables"),
         (dict(train_steps=0), ValueError, r"train_steps \(0\)"),
+        (dict(train_steps=2.5), TypeError, r"train_steps \(2.5\) must be an int"),
         (dict(reference_dtype="float16"), ValueError, "reference_dtype"),
         (dict(reference_dtype="float64"), ValueError, "integer inputs"),
     ],
