@@ -96,11 +96,15 @@ def compare(reference: dict, actual: dict, tol: float) -> Comparison:
     return Comparison(abs_err, rel_err, bool(passed), worst, bound, max(worst_ratio, 0.0))
 
 
-def make_row(name, backend, dtype, check, reference, actual, tol_key=None, ok=True) -> Row:
+def make_row(
+    name, backend, dtype, check, reference, actual, tol_key=None, ok=True, tol=None
+) -> Row:
     """The row of ``check`` for the case (or pair) called ``name``: ``reference`` against
-    ``actual`` under the tolerance entry ``tol_key`` (default: ``check``) for ``backend``;
-    ``ok=False`` fails it whatever the errors (a check's own condition failed)."""
-    tol = tolerance(dtype, tol_key or check, backend.precision)
+    ``actual`` under the tolerance entry ``tol_key`` (default: ``check``) for ``backend``, or
+    under ``tol`` itself when given (a bound measured on the peer: the whole GPT's bfloat16
+    rows); ``ok=False`` fails it whatever the errors (a check's own condition failed)."""
+    if tol is None:
+        tol = tolerance(dtype, tol_key or check, backend.precision)
     result = compare(reference, actual, tol)
     return Row(
         name, backend.label, dtype, check, result.max_abs_err, result.max_rel_err, tol,

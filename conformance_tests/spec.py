@@ -389,7 +389,7 @@ def is_shift_invariant(torch_name: str) -> bool:
 
 
 #: The checks a whole-model case runs (``whole_models.py``): no dropout, mask or dtype rows.
-MODEL_CHECKS = ("forward", "grad", "train")
+MODEL_CHECKS = ("forward", "grad", "train", "dtype")
 
 
 @dataclass(frozen=True)
@@ -401,7 +401,7 @@ class ModelCase:
       model: ``"GPTModel"`` (the book's, twin ``book_gpt.py``) or ``"annotated"`` (the
         Annotated Transformer's encoder-decoder, twin ``annotated_model.py``).
       config: the model's sizes as ``(key, value)`` pairs (the tests' small sizes).
-      checks: a subset of ``MODEL_CHECKS``.
+      checks: a subset of ``MODEL_CHECKS`` (``dtype``: the GPT's bfloat16 rows only).
       seed: ``torch.manual_seed`` for the twin's weights; NumPy seed for the batches.
       steps: the ``train`` check's optimiser steps.
       note: why the case is here.
@@ -432,7 +432,9 @@ MODEL_CASES: tuple[ModelCase, ...] = (
         ),
         note="the book's chapter 4 GPTModel (qkv_bias on: every key of GPT-2's checkpoints) on "
         "batches of 2 x 16 token ids: logits and chapter 5's loss, every parameter's gradient "
-        "of that loss, 20 AdamW steps of chapter 5's loop (lr 4e-4, weight decay 0.1)",
+        "of that loss, 20 AdamW steps of chapter 5's loop (lr 4e-4, weight decay 0.1); "
+        "models.quantize's int8 model against the book's model holding its dequantized "
+        "weights, and the model in bfloat16 against torch's own bfloat16 model",
     ),
     ModelCase(
         "model_annotated_post",
@@ -441,6 +443,7 @@ MODEL_CASES: tuple[ModelCase, ...] = (
         note="the Annotated Transformer's make_model, every dropout 0: encoder memory, decoder "
         "output and log-probs of a padded batch, every gradient of the label-smoothed loss "
         "(smoothing 0.1), 20 Adam steps of the copy task on the post's schedule",
+        checks=("forward", "grad", "train"),
     ),
 )
 

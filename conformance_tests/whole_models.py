@@ -13,6 +13,14 @@ loaded with ``flax_attention.load_state_dict`` (the tests' way: ``test_models.py
 
 - ``forward``: eval-mode outputs (GPT: logits and chapter 5's loss; annotated: the encoder's
   memory, the decoder's output, the generator's log-probs and the label-smoothed loss).
+- ``forward/int8`` (GPT): ``models.quantize(model, "int8")``'s logits against the book's model
+  holding the int8 model's dequantized weights (``fa.state_dict`` of it), under the float32
+  ``forward`` tolerance, on a prefill-sized batch (2 x 16 ids: XLA's products) and a
+  decode-sized one (2 x 7: the narrow-weight kernel's, where it is built).
+- ``dtype`` (GPT, bfloat16): the model in bfloat16 (``dtype`` and ``param_dtype``) against
+  float32 torch, one row per batch size (``forward``: 2 x 16 ids, ``forward/decode``: 2 x 7).
+  Its bound is torch's own: ``tol`` is 1.5 times the error of the book's model cast to
+  bfloat16 on the same input (capped at the layers' bfloat16 ``forward`` entry).
 - ``grad``: every parameter's gradient of that loss, by torch name (the worst one named).
 - ``train/adamw`` (GPT: chapter 5's ``AdamW(lr=4e-4, weight_decay=0.1)``, the library's
   ``train_step`` with ``optax.adamw`` as a user writes it) and ``train/adam`` (annotated: the
@@ -29,6 +37,7 @@ loaded with ``flax_attention.load_state_dict`` (the tests' way: ``test_models.py
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 
 import jax
@@ -42,9 +51,10 @@ import flax_attention as fa
 from conformance_tests import annotated_model as post
 from conformance_tests import book_gpt
 from conformance_tests.checks.train import COMPARE_EVERY
-from conformance_tests.compare import Row, make_row, to_numpy
+from conformance_tests.compare import Row, compare, make_row, to_numpy
 from conformance_tests.pairs import rng
 from conformance_tests.spec import ModelCase, is_shift_invariant
+from conformance_tests.tolerances import tolerance
 from flax_attention import models
 from flax_attention.models import annotated
 
@@ -198,6 +208,64 @@ class _GPT(_Runner):
         trained = self.output(backend, twin, model)
         reference["logits (trained)"], actual["logits (trained)"] = trained
         return reference, actual
+
+    def _inputs(self) -> dict[str, np.ndarray]:
+        """The inference rows' inputs: the first batch (prefill-sized) and its first 7 ids
+        (decode-sized: 14 rows, within the narrow-weight kernel's ``NARROW_ROWS``)."""
+        x = self.batches[0][0]
+        return {"logits (2x16)": x, "logits (2x7)": x[:, :7]}
+
+    def int8(self, backend):
+        """``models.quantize(model, "int8")`` against the book's model holding its dequantized
+        weights."""
+        _, model = self.pair(backend)
+        model.eval()
+        quantized = models.quantize(model, "int8")
+        book = book_gpt.GPTModel(self.cfg).to(backend.torch_device).eval()
+        dequantized = fa.state_dict(quantized)
+        book.load_state_dict({k: torch.from_numpy(v) for k, v in dequantized.items()})
+        reference, actual = {}, {}
+        for name, ids in self._inputs().items():
+            with torch.no_grad():
+                reference[name] = book(torch.from_numpy(ids).to(backend.torch_device))
+            actual[name] = _gpt_logits(quantized, ids)
+        return reference, actual
+
+    def bfloat16(self, backend):
+        """Per input: float32 torch, torch's model cast to bfloat16, and the Flax model built
+        in bfloat16 holding the same weights."""
+        twin, _ = self.pair(backend)
+        twin.eval()
+        weights = _numpy_state(twin)
+        narrow = jnp.bfloat16
+        model = models.GPTModel(self.cfg, rngs=nnx.Rngs(0), dtype=narrow, param_dtype=narrow)
+        fa.load_state_dict(model, weights)
+        model.eval()
+        twin_bf16 = copy.deepcopy(twin).to(torch.bfloat16)
+        results = {}
+        for name, ids in self._inputs().items():
+            x = torch.from_numpy(ids).to(backend.torch_device)
+            with torch.no_grad():
+                reference, theirs = twin(x), twin_bf16(x).float()
+            results[name] = reference, theirs, _gpt_logits(model, ids).astype(jnp.float32)
+        return results
+
+
+def _bfloat16_rows(case, backend, runner) -> list[Row]:
+    """The ``dtype`` rows: each input's Flax bfloat16 logits against float32 torch, ``tol`` 1.5
+    times the error of torch's own bfloat16 model there (at most the bfloat16 ``forward``
+    entry)."""
+    rows = []
+    results = runner.bfloat16(backend)
+    for check, (reference, theirs, ours) in zip(("forward", "forward/decode"), results.values()):
+        reference, theirs, ours = ({"logits": x} for x in (reference, theirs, ours))
+        torch_error = compare(reference, theirs, 1.0).err_over_bound
+        tol = min(1.5 * torch_error, tolerance("bfloat16", "forward"))
+        rows.append(make_row(case.name, backend, "bfloat16", check, reference, ours, tol=tol))
+    return rows
+
+
+_gpt_logits = nnx.jit(lambda model, ids: model(ids))
 
 
 @nnx.jit
@@ -388,9 +456,11 @@ def _key_bias(runner, backend):
 
 
 def run_model_case(case: ModelCase, check: str, backend, dtype: str = "float32") -> list[Row]:
-    """Rows of one check of a whole-model case on ``backend`` (float32 only: the models have no
-    ``dtype`` rows)."""
-    if dtype != "float32" or check not in case.checks:
+    """Rows of one check of a whole-model case on ``backend``: float32 for every check but
+    ``dtype``, which has bfloat16 rows (the GPT's)."""
+    if check not in case.checks or (dtype == "float32") == (check == "dtype"):
+        return []
+    if check == "dtype" and dtype != "bfloat16":
         return []
     with _torch_threads(1):
         return _run(_runner(case), check, backend, dtype)
@@ -415,7 +485,12 @@ def _run(runner: _Runner, check: str, backend, dtype: str) -> list[Row]:
     case = runner.case
     row = functools.partial(make_row, case.name, backend, dtype)
     if check == "forward":
-        return [row("forward", *runner.forward(backend))]
+        rows = [row("forward", *runner.forward(backend))]
+        if isinstance(runner, _GPT):
+            rows.append(row("forward/int8", *runner.int8(backend), "forward"))
+        return rows
+    if check == "dtype":
+        return _bfloat16_rows(case, backend, runner)
     if check == "grad":
         reference, actual = runner.grads(backend)
         finite = all(bool(np.isfinite(to_numpy(g)).all()) for g in actual.values())
