@@ -17,8 +17,10 @@ from flax_attention._init import linear_factory, set_linear_axes
 from flax_attention._inputs import check_annotated_inputs, check_projected_inputs
 from flax_attention.axes import FROM_HEADS, HEADS, TO_HEADS, constrain, out_sharding_like
 from flax_attention.core import (
+    AttentionMask,
     BlockSizes,
     Implementation,
+    attend,
     check_block_sizes,
     check_implementation,
     dot_product_attention,
@@ -154,12 +156,16 @@ class MultiHeadedAttention(nnx.Module):
         query = self._split_heads(self.proj_weights[0], query)
 
         # 2) Attention and the weights, (b, t, h, d) and (b, h, t, s)
-        out, attention_score = dot_product_attention(
+        attention_mask = AttentionMask.build(
+            None if mask is None else mask != 0,
+            fill_value=MASK_FILL_VALUE,
+            dtype=jnp.result_type(query, kv.keys),
+        )
+        out = attend(
             query,
             kv.keys,
             kv.values,
-            None if mask is None else mask != 0,
-            fill_value=MASK_FILL_VALUE,
+            attention_mask,
             dropout=self.dropout,
             precision=self.precision,
             implementation=self.implementation,
@@ -167,6 +173,7 @@ class MultiHeadedAttention(nnx.Module):
             block_sizes=self.block_sizes,
         )
         if self.keep_attention_score:
+            out, attention_score = out
             self.attention_score = AttentionScore(attention_score)
 
         # 3) "Concat" output, (b, t, d_model)

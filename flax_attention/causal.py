@@ -23,6 +23,7 @@ from flax_attention.axes import (
     out_sharding_like,
 )
 from flax_attention.core import (
+    AttentionMask,
     BlockSizes,
     Implementation,
     attend,
@@ -112,14 +113,18 @@ def causal_attention(
     if cache is not None:  # the whole cache, heads first
         keys, values, offset, fits = decode_cache.append(*cache, keys, values)
         kv_layout = "hsd"
-    context_vec = attend(
-        queries,
-        keys,
-        values,
+    attention_mask = AttentionMask.build(
         mask,
         is_causal=True,
         query_offset=offset,
         fill_value=PADDING_FILL,
+        dtype=jnp.result_type(queries, keys),
+    )
+    context_vec = attend(
+        queries,
+        keys,
+        values,
+        attention_mask,
         dropout=dropout,
         precision=precision,
         implementation=implementation,

@@ -45,12 +45,15 @@ the same weights for the same seed), the seed drawn from the dropout's own RNG s
 training stays ``O(t)`` in memory. Asking another implementation for weights or active dropout
 is a ``ValueError`` (``None`` picks one that can).
 
-What is masked, and with what, is one ``AttentionMask`` (``flax_attention.masking``) built once
-per call from ``is_causal``, ``query_offset``, ``mask`` and ``fill_value``; every implementation
-consumes it. A new implementation is a name in ``Implementation``, one ``case`` in ``_run``
-(and its entry in ``_run``'s heads-first swap when it cannot read keys and values laid out
-``(..., h, s, d)``), what it cannot do in ``_check_choice``, and where ``None`` should pick it,
-in ``select_implementation``.
+What is masked, and with what, is one ``AttentionMask`` (``flax_attention.masking``): the
+layers build theirs (``is_causal``, the decode cache's ``query_offset``, their ``mask`` and its
+fill) and call ``attend``, the one entry, with plain keywords; ``dot_product_attention`` builds
+it from its keywords and calls ``attend`` too. Behind ``attend``: the checks of the options, the
+choice (``select_implementation``) or the check that the named implementation can do the call,
+the mesh (below), and the implementation itself, from one table, ``_KERNELS``: how each runs and
+what it can do (read keys and values heads first, return weights, apply which dropout, run
+these inputs here). A new implementation is an entry there and its name in ``Implementation``
+(and in ``select_implementation`` where ``None`` should pick it).
 
 Meshes: under ``jax.set_mesh`` with ``Explicit`` axes (sharding in types) the implementations run
 inside ``jax.sharding.auto_axes`` and return their results laid out like the queries (heads, or
@@ -212,29 +215,23 @@ def _check_options(implementation, block_sizes, kv_layout) -> None:
 
 
 def _check_choice(implementation, queries, keys, values, *, need_weights, dropout) -> None:
-    """An ``implementation`` the caller named must do what the call asks, here."""
-    if implementation == "reference":
-        return
-    if need_weights:
+    """An ``implementation`` the caller named must do what the call asks, here (what it can
+    do: its ``_Kernel`` entry)."""
+    kernel = _KERNELS[implementation]
+    if need_weights and not kernel.weights:
         raise ValueError(
             f"implementation ({implementation!r}) must be 'reference' (or None) to return "
             "attention weights (need_weights=False for the others)"
         )
-    tiled_dropout = implementation in ("blocked", "native") and isinstance(dropout, nnx.Dropout)
-    if _dropout_active(dropout) and not tiled_dropout:
+    tiled_dropout = kernel.dropout == "tiled" and isinstance(dropout, nnx.Dropout)
+    if _dropout_active(dropout) and kernel.dropout != "any" and not tiled_dropout:
         raise ValueError(
             f"implementation ({implementation!r}) must be 'reference', 'blocked', 'native' "
             "or None while dropout is active (call .eval(), or use implementation=None); "
             "'blocked' and 'native' take an nnx.Dropout only"
         )
-    if implementation == "native":
-        reason = native.why_not_here()
-        if reason is not None:
-            raise ValueError(
-                f"implementation ('native') must run on the CPU with the kernel built "
-                f"({reason}; use 'blocked')"
-            )
-        native.check_dtypes(queries=queries, keys=keys, values=values)
+    if kernel.check is not None:
+        kernel.check(queries, keys, values)
 
 
 def _choose(queries, keys, values, implementation, *, need_weights, dropout, kv_layout) -> str:
@@ -245,6 +242,65 @@ def _choose(queries, keys, values, implementation, *, need_weights, dropout, kv_
         )
     _check_choice(implementation, queries, keys, values, need_weights=need_weights, dropout=dropout)
     return implementation
+
+
+class _Call(typing.NamedTuple):
+    """What one call asks of its implementation, beside the arrays and the mask (built once by
+    ``attend``; each implementation reads what it uses)."""
+
+    dropout: object  # an nnx.Dropout, another callable, or None
+    precision: object
+    block_sizes: BlockSizes | None
+    kv_layout: KVLayout
+    need_weights: bool
+    dropout_key: jax.Array | None = None  # drawn outside (explicit meshes), else by the dropout
+
+
+def attend(
+    queries,
+    keys,
+    values,
+    mask: AttentionMask | None = None,
+    *,
+    dropout=None,
+    precision=None,
+    implementation: Implementation | None = None,
+    need_weights: bool = False,
+    block_sizes: BlockSizes | None = None,
+    kv_layout: KVLayout = "shd",
+):
+    """The one entry of every layer: attention of ``queries`` over ``keys`` and ``values``
+    with what ``mask`` (an ``AttentionMask``, built by the caller; ``None``: nothing hidden)
+    hides. Checks the options, chooses the implementation (``None``: ``select_implementation``)
+    or checks the named one can do the call, runs it, under ``jax.sharding.auto_axes`` on an
+    explicit mesh. Returns ``context_vec``, or ``(context_vec, attn_weights)`` with
+    ``need_weights``; the arguments are ``dot_product_attention``'s."""
+    _check_options(implementation, block_sizes, kv_layout)
+    if mask is None:
+        mask = AttentionMask.build(dtype=jnp.result_type(queries, keys))
+    elif not isinstance(mask, AttentionMask):
+        given = f"an array {jnp.shape(mask)}" if hasattr(mask, "shape") else type(mask).__name__
+        raise TypeError(
+            f"mask ({given}) must be an AttentionMask or None (AttentionMask.build makes one "
+            "from a boolean mask; dot_product_attention takes the boolean mask itself)"
+        )
+    implementation = _choose(
+        queries,
+        keys,
+        values,
+        implementation,
+        need_weights=need_weights,
+        dropout=dropout,
+        kv_layout=kv_layout,
+    )
+    kernel = _KERNELS[implementation]
+    if kv_layout == "hsd" and not kernel.heads_first:
+        keys, values = jnp.swapaxes(keys, -3, -2), jnp.swapaxes(values, -3, -2)  # (..., s, h, d)
+        kv_layout = "shd"
+    call = _Call(dropout, precision, block_sizes, kv_layout, need_weights)
+    if explicit_mesh() is None:
+        return kernel.run(queries, keys, values, mask, call)
+    return _run_with_auto_axes(kernel.run, queries, keys, values, mask, call)
 
 
 def dot_product_attention(
@@ -292,16 +348,6 @@ def dot_product_attention(
       ``context_vec`` ``(..., t, h, d_v)`` and ``attn_weights`` ``(..., h, t, s)`` (after
       dropout, as the documents return them) or ``None``.
     """
-    _check_options(implementation, block_sizes, kv_layout)
-    implementation = _choose(
-        queries,
-        keys,
-        values,
-        implementation,
-        need_weights=need_weights,
-        dropout=dropout,
-        kv_layout=kv_layout,
-    )
     # The one description of what is hidden, consumed by every implementation.
     attention_mask = AttentionMask.build(
         mask,
@@ -310,112 +356,120 @@ def dot_product_attention(
         fill_value=fill_value,
         dtype=jnp.result_type(queries, keys),  # the scores' dtype
     )
-    run = functools.partial(
-        _run,
-        implementation,
+    out = attend(
+        queries,
+        keys,
+        values,
+        attention_mask,
+        dropout=dropout,
         precision=precision,
+        implementation=implementation,
+        need_weights=need_weights,
         block_sizes=block_sizes,
         kv_layout=kv_layout,
-        need_weights=need_weights,
     )
-    if explicit_mesh() is None:
-        out = run(queries, keys, values, attention_mask, dropout=dropout)
-    else:
-        out = _run_with_auto_axes(run, queries, keys, values, attention_mask, dropout, need_weights)
     return out if need_weights else (out, None)
 
 
-def attend(queries, keys, values, mask=None, **options):
-    """``dot_product_attention``'s ``context_vec`` alone (``need_weights=False``), with the same
-    keyword ``options``: what the layers that never return weights call."""
-    context_vec, _ = dot_product_attention(
-        queries, keys, values, mask, need_weights=False, **options
-    )
-    return context_vec
-
-
-def _run_with_auto_axes(run, queries, keys, values, attention_mask, dropout, need_weights):
+def _run_with_auto_axes(run, queries, keys, values, attention_mask, call):
     """``run`` under an explicit mesh: the kernels run with ``Auto`` axes inside, their results
     come back laid out like the queries (heads, or a single head's features, over ``model``).
     Arrays cross as arguments: the mask's, and the dropout key, drawn here from the layer's
     stream (the same draw the dropout would make inside)."""
     dropout_key = None
-    if isinstance(dropout, nnx.Dropout) and _dropout_active(dropout):
-        dropout_key = dropout.rngs()
+    if isinstance(call.dropout, nnx.Dropout) and _dropout_active(call.dropout):
+        dropout_key = call.dropout.rngs()
 
     def run_auto(queries, keys, values, keep, query_offset, dropout_key):
         inside = attention_mask.replace(keep=keep, query_offset=query_offset)
-        return run(queries, keys, values, inside, dropout=dropout, dropout_key=dropout_key)
+        return run(queries, keys, values, inside, call._replace(dropout_key=dropout_key))
 
-    out_sharding = _out_shardings(queries, values, need_weights)
+    out_sharding = _out_shardings(queries, values, call.need_weights)
     return jax.sharding.auto_axes(run_auto, out_sharding=out_sharding)(
         queries, keys, values, attention_mask.keep, attention_mask.query_offset, dropout_key
     )
 
 
-def _tiled_dropout(dropout, dropout_key):
+def _tiled_dropout(call: _Call):
     """``(rate, seed)`` of a tiled kernel's dropout: ``(0.0, None)`` when inactive, else the
     layer's rate and a uint32 seed drawn from its RNG stream (``dropout_key``: drawn outside)."""
+    dropout = call.dropout
     if not _dropout_active(dropout):
         return 0.0, None
-    dropout_key = dropout.rngs() if dropout_key is None else dropout_key
+    dropout_key = dropout.rngs() if call.dropout_key is None else call.dropout_key
     return dropout.rate, jax.random.bits(dropout_key, dtype=jnp.uint32)
 
 
-def _run(
-    implementation,
-    queries,
-    keys,
-    values,
-    attention_mask,
-    *,
-    dropout,
-    precision,
-    block_sizes,
-    kv_layout,
-    need_weights,
-    dropout_key=None,
-):
-    """Run ``implementation`` (chosen and checked): ``context_vec``, or with ``need_weights``
-    ``(context_vec, attn_weights)``. ``dropout_key``: the dropout's random key when drawn
-    outside (explicit meshes), else the dropout draws its own."""
-    if kv_layout == "hsd" and implementation not in ("reference", "blocked"):
-        keys, values = jnp.swapaxes(keys, -3, -2), jnp.swapaxes(values, -3, -2)  # (..., s, h, d)
-        kv_layout = "shd"
-    match implementation:
-        case "reference":
-            if dropout_key is not None:
-                dropout = functools.partial(dropout, rngs=dropout_key)
-            context_vec, attn_weights = _reference(
-                queries, keys, values, attention_mask, dropout, precision, kv_layout
-            )
-            return (context_vec, attn_weights) if need_weights else context_vec
-        case "blocked":
-            rate, seed = _tiled_dropout(dropout, dropout_key)
-            return blocked_attention(
-                queries,
-                keys,
-                values,
-                attention_mask,
-                precision=precision,
-                block_sizes=block_sizes,
-                dropout_rate=rate,
-                dropout_seed=seed,
-                kv_heads_first=kv_layout == "hsd",
-            )
-        case "native":
-            rate, seed = _tiled_dropout(dropout, dropout_key)
-            return native.native_attention(
-                queries, keys, values, attention_mask, dropout_rate=rate, dropout_seed=seed
-            )
-        case "xla" | "cudnn":
-            return jax_nn_attention(
-                queries, keys, values, attention_mask, implementation=implementation
-            )
-        case _:
-            raise ValueError(
-                f"implementation ({implementation!r}) must be one of {IMPLEMENTATIONS}"
-            )
+def _run_reference(queries, keys, values, attention_mask, call: _Call):
+    dropout = call.dropout
+    if call.dropout_key is not None:
+        dropout = functools.partial(dropout, rngs=call.dropout_key)
+    context_vec, attn_weights = _reference(
+        queries, keys, values, attention_mask, dropout, call.precision, call.kv_layout
+    )
+    return (context_vec, attn_weights) if call.need_weights else context_vec
+
+
+def _run_blocked(queries, keys, values, attention_mask, call: _Call):
+    rate, seed = _tiled_dropout(call)
+    return blocked_attention(
+        queries,
+        keys,
+        values,
+        attention_mask,
+        precision=call.precision,
+        block_sizes=call.block_sizes,
+        dropout_rate=rate,
+        dropout_seed=seed,
+        kv_heads_first=call.kv_layout == "hsd",
+    )
+
+
+def _run_native(queries, keys, values, attention_mask, call: _Call):
+    rate, seed = _tiled_dropout(call)
+    return native.native_attention(
+        queries, keys, values, attention_mask, dropout_rate=rate, dropout_seed=seed
+    )
+
+
+def _check_native(queries, keys, values) -> None:
+    reason = native.why_not_here()
+    if reason is not None:
+        raise ValueError(
+            f"implementation ('native') must run on the CPU with the kernel built "
+            f"({reason}; use 'blocked')"
+        )
+    native.check_dtypes(queries=queries, keys=keys, values=values)
+
+
+def _jax_nn(name):
+    def run(queries, keys, values, attention_mask, call: _Call):
+        return jax_nn_attention(queries, keys, values, attention_mask, implementation=name)
+
+    return run
+
+
+class _Kernel(typing.NamedTuple):
+    """One implementation: how it runs and what it can do (``_KERNELS``)."""
+
+    run: typing.Callable  # (queries, keys, values, attention_mask, call: _Call) -> result
+    heads_first: bool  # reads keys and values laid out (..., h, s, d) as they are
+    weights: bool  # can return the attention weights
+    dropout: str | None  # "any": applies the dropout callable; "tiled": an nnx.Dropout's rate
+    check: typing.Callable | None = None  # (queries, keys, values): raises where it cannot run
+
+
+#: Every implementation, by name: the one table a new implementation is added to (and
+#: ``Implementation``; ``select_implementation`` where ``None`` should pick it).
+_KERNELS: dict[str, _Kernel] = {
+    "reference": _Kernel(_run_reference, heads_first=True, weights=True, dropout="any"),
+    "xla": _Kernel(_jax_nn("xla"), heads_first=False, weights=False, dropout=None),
+    "cudnn": _Kernel(_jax_nn("cudnn"), heads_first=False, weights=False, dropout=None),
+    "blocked": _Kernel(_run_blocked, heads_first=True, weights=False, dropout="tiled"),
+    "native": _Kernel(
+        _run_native, heads_first=False, weights=False, dropout="tiled", check=_check_native
+    ),
+}
 
 
 def _reference(queries, keys, values, attention_mask, dropout, precision, kv_layout="shd"):

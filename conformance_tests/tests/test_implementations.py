@@ -333,6 +333,31 @@ def test_implementations_reject_what_they_cannot_do():
         fa.MultiHeadedAttention(2, 4, 0.0, implementation="xla", rngs=nnx.Rngs(0))
 
 
+def test_the_implementations_are_one_table_and_attend_takes_an_attention_mask():
+    """Every name of ``Implementation`` is an entry of ``core._KERNELS`` and nothing else is;
+    ``attend``, the layers' entry, takes the mask as an ``AttentionMask`` (``None``: nothing
+    hidden) and equals ``dot_product_attention`` on the same description."""
+    import typing
+
+    assert tuple(core._KERNELS) == typing.get_args(core.Implementation)
+    assert core.IMPLEMENTATIONS == (None, *core._KERNELS)
+    q = jax.random.normal(jax.random.key(0), (2, 5, 2, 4))
+    keep = jnp.arange(5) < 4
+    with pytest.raises(
+        TypeError, match=r"mask \(an array \(5,\)\) must be an AttentionMask or None"
+    ):
+        core.attend(q, q, q, keep)
+    mask = AttentionMask.build(keep, is_causal=True, fill_value=-1e10, dtype=q.dtype)
+    expected, weights = core.dot_product_attention(q, q, q, keep, is_causal=True, fill_value=-1e10)
+    context, same_weights = core.attend(
+        q, q, q, mask, implementation="reference", need_weights=True
+    )
+    np.testing.assert_array_equal(context, expected)
+    np.testing.assert_array_equal(same_weights, weights)
+    unmasked, _ = core.dot_product_attention(q, q, q)
+    np.testing.assert_array_equal(core.attend(q, q, q, implementation="reference"), unmasked)
+
+
 def test_none_picks_reference_for_weights_and_a_tiled_kernel_for_long_inputs():
     short, long = jnp.ones((1, 8, 1, 2)), jnp.ones((1, 512, 1, 2))
     dropout = nnx.Dropout(0.5, rngs=nnx.Rngs(0))

@@ -227,56 +227,13 @@ def native_attention(
         ``benchmarks.march`` time builds against each other); ``None``: the package's own.
     """
     del precision  # always float32 products and sums
-    reason = why_not_here()
-    if reason is not None:
-        raise RuntimeError(f"the native attention kernel is unavailable: {reason}")
-    check_dtypes(queries=queries, keys=keys, values=values)
-    if dropout_rate and dropout_seed is None:
-        raise ValueError(
-            f"dropout_seed (None) must be given when dropout_rate ({dropout_rate}) > 0"
-        )
-    for name, value, most in (("block_q", block_q, 1024), ("block_k", block_k, None)):
-        if isinstance(value, bool) or not isinstance(value, int | np.integer):
-            raise TypeError(f"{name} ({value!r}) must be an int")
-        if value < 0 or (most is not None and value > most):
-            limit = f"from 0 to {most}" if most else "0 or more"
-            raise ValueError(f"{name} ({value}) must be {limit} (0: the default tile)")
-    if products not in _PRODUCTS:
-        raise ValueError(f"products ({products!r}) must be one of {tuple(_PRODUCTS)}")
+    _check_call(queries, keys, values, dropout_rate, dropout_seed, block_q, block_k, products)
     if targets is not None and (
         not isinstance(targets, tuple)
         or len(targets) != 2
         or not all(isinstance(name, str) for name in targets)
     ):
         raise TypeError(f"targets ({targets!r}) must be None or a (forward, backward) pair of str")
-    return _run(
-        queries,
-        keys,
-        values,
-        attention_mask,
-        dropout_rate=dropout_rate,
-        dropout_seed=dropout_seed,
-        block_q=block_q,
-        block_k=block_k,
-        products=products,
-        targets=targets,
-    )
-
-
-def _run(
-    queries,
-    keys,
-    values,
-    attention_mask: AttentionMask | None = None,
-    *,
-    dropout_rate: float = 0.0,
-    dropout_seed=None,
-    block_q: int = 0,
-    block_k: int = 0,
-    products: str | None = None,
-    targets: tuple[str, str] | None = None,
-):
-    """``native_attention``'s body, after its checks: the same arguments, no ``precision``."""
     if attention_mask is None:
         attention_mask = AttentionMask()
     lead, h = queries.shape[:-3], queries.shape[-2]
@@ -312,6 +269,27 @@ def _run(
         )
         operands = tuple(_reshard(x, spec, mesh) for x, spec in zip(operands, in_specs))
     return call(*operands)
+
+
+def _check_call(queries, keys, values, dropout_rate, dropout_seed, block_q, block_k, products):
+    """``native_attention``'s arguments: the kernel here, the dtypes, the dropout's seed, the
+    tiles and the products."""
+    reason = why_not_here()
+    if reason is not None:
+        raise RuntimeError(f"the native attention kernel is unavailable: {reason}")
+    check_dtypes(queries=queries, keys=keys, values=values)
+    if dropout_rate and dropout_seed is None:
+        raise ValueError(
+            f"dropout_seed (None) must be given when dropout_rate ({dropout_rate}) > 0"
+        )
+    for name, value, most in (("block_q", block_q, 1024), ("block_k", block_k, None)):
+        if isinstance(value, bool) or not isinstance(value, int | np.integer):
+            raise TypeError(f"{name} ({value!r}) must be an int")
+        if value < 0 or (most is not None and value > most):
+            limit = f"from 0 to {most}" if most else "0 or more"
+            raise ValueError(f"{name} ({value}) must be {limit} (0: the default tile)")
+    if products not in _PRODUCTS:
+        raise ValueError(f"products ({products!r}) must be one of {tuple(_PRODUCTS)}")
 
 
 def _call(config, queries, keys, values, keep, offset, seed, batch_index, head_index):
