@@ -51,8 +51,38 @@ PARITY_CHECKS = ("forward", "grad", "train", "mask")
 
 @dataclass(frozen=True)
 class ParityOptions:
-    """``check_parity``'s keywords (documented there), checked when made: a bad one is a
-    ``ValueError`` or ``TypeError`` naming it, its value and what was expected."""
+    """What ``check_parity`` runs (its keywords are these fields), checked when made: a bad
+    one is a ``ValueError`` or ``TypeError`` naming it, its value and what was expected.
+
+    Attributes:
+      mask: the caller's mask (``1`` = attend), passed after the inputs, or ``None``.
+      layout: the weight layout of the torch module's state dict (``"documents"``: the
+        documents' names).
+      key_map: torch key -> the layout's key, for keys named otherwise (both directions are
+        derived from it: gradients and trajectories are compared under torch's names).
+      weights: ``(load, export)``, the transfer of a whole model, replacing ``layout`` and
+        ``key_map``: ``load(flax_module, {torch name: np.ndarray})`` loads the torch module's
+        ``state_dict`` (and, for a shift-invariant key bias, some of its keys);
+        ``export(flax_module) -> {torch name: np.ndarray}`` names every parameter as torch's
+        ``named_parameters()`` does (a tied weight once, under the name torch keeps).
+      torch_output: the torch module's return value -> its output or tuple of outputs (a
+        ``transformers`` model: ``lambda out: out.logits``); ``None``: as returned.
+      checks: from ``PARITY_CHECKS``.
+      name: the rows' ``case`` column (default: the torch module's class name).
+      causal: the pair masks the future itself (for the ``mask`` check).
+      mask_kind: ``"causal"`` or ``"padding"``: what ``mask`` is (for the ``mask`` check).
+      seed: seeds the cotangents, targets and perturbations.
+      backend: where to run (default: the CPU, strict float32).
+      train_steps: the ``train`` check's optimiser steps (a positive int; default the
+        report's 50).
+      reference_dtype: ``"float32"`` (the report's reference) or ``"float64"``: the torch side
+        computes and trains in float64, so the rows measure the Flax side's float32 error
+        against the exact result (a model whose Adam steps amplify torch's own float32
+        rounding, see ``test_gpt2.py``). float64 takes integer inputs only (token ids).
+      shift_invariant: torch name -> the slice of its last axis that cannot change the output
+        (the key third of a fused QKV bias); the ``train`` check leaves it out (its gradient is
+        rounding noise, which Adam scales up); a separate key bias is recognised by name.
+    """
 
     mask: Any = None
     layout: str = "documents"
@@ -132,23 +162,10 @@ def check_parity(
     torch_module: torch.nn.Module,
     flax_module: nnx.Module,
     inputs,
-    *,
-    mask=None,
-    layout: str = "documents",
-    key_map: dict[str, str] | None = None,
-    weights: tuple | None = None,
-    torch_output=None,
-    checks=("forward", "grad", "train"),
-    name: str | None = None,
-    causal: bool = False,
-    mask_kind: str | None = None,
-    seed: int = 0,
-    backend: Backend | None = None,
-    train_steps: int = 50,
-    reference_dtype: str = "float32",
-    shift_invariant: dict | None = None,
+    options: ParityOptions | None = None,
+    **keywords,
 ) -> list[Row]:
-    """Rows of ``checks`` for the pair (``harness.Row``, as the report prints them).
+    """Rows of the pair's checks (``harness.Row``, as the report prints them).
 
     Args:
       torch_module, flax_module: the pair. The Flax module gets the torch module's weights
@@ -157,39 +174,18 @@ def check_parity(
       inputs: the positional inputs (array-likes), the same for both; the mask, if any,
         follows them in the call. Integer ones (token ids) stay integers and get no gradient;
         the others are cast to float32.
-      mask: the caller's mask (``1`` = attend), passed after the inputs, or ``None``.
-      layout: the weight layout of the torch module's state dict (``"documents"``: the
-        documents' names).
-      key_map: torch key -> the layout's key, for keys named otherwise (both directions are
-        derived from it: gradients and trajectories are compared under torch's names).
-      weights: ``(load, export)``, the transfer of a whole model, replacing ``layout`` and
-        ``key_map``: ``load(flax_module, {torch name: np.ndarray})`` loads the torch module's
-        ``state_dict`` (and, for a shift-invariant key bias, some of its keys);
-        ``export(flax_module) -> {torch name: np.ndarray}`` names every parameter as torch's
-        ``named_parameters()`` does (a tied weight once, under the name torch keeps).
-      torch_output: the torch module's return value -> its output or tuple of outputs (a
-        ``transformers`` model: ``lambda out: out.logits``); ``None``: as returned.
-      checks: from ``PARITY_CHECKS``.
-      name: the rows' ``case`` column (default: the torch module's class name).
-      causal: the pair masks the future itself (for the ``mask`` check).
-      mask_kind: ``"causal"`` or ``"padding"``: what ``mask`` is (for the ``mask`` check).
-      seed: seeds the cotangents, targets and perturbations.
-      backend: where to run (default: the CPU, strict float32).
-      train_steps: the ``train`` check's optimiser steps (a positive int; default the
-        report's 50).
-      reference_dtype: ``"float32"`` (the report's reference) or ``"float64"``: the torch side
-        computes and trains in float64, so the rows measure the Flax side's float32 error
-        against the exact result (a model whose Adam steps amplify torch's own float32
-        rounding, see ``test_gpt2.py``). float64 takes integer inputs only (token ids).
-      shift_invariant: torch name -> the slice of its last axis that cannot change the output
-        (the key third of a fused QKV bias); the ``train`` check leaves it out (its gradient is
-        rounding noise, which Adam scales up); a separate key bias is recognised by name.
+      options: a ``ParityOptions``; or its fields as keywords (``mask=..., checks=(...)``),
+        not both.
     """
-    options = ParityOptions(
-        mask=mask, layout=layout, key_map=key_map, weights=weights, torch_output=torch_output,
-        checks=checks, name=name, causal=causal, mask_kind=mask_kind, seed=seed, backend=backend,
-        train_steps=train_steps, reference_dtype=reference_dtype, shift_invariant=shift_invariant,
-    )  # fmt: skip
+    if options is None:
+        options = ParityOptions(**keywords)
+    elif not isinstance(options, ParityOptions):
+        raise TypeError(f"options ({type(options).__name__}) must be a ParityOptions or None")
+    elif keywords:
+        raise TypeError(
+            f"options (a ParityOptions) and keywords ({', '.join(sorted(keywords))}) must not "
+            "both be given: put them in the ParityOptions"
+        )
     subject = _subject(torch_module, flax_module, options.check_inputs(inputs), options)
     backend = options.backend or backends(["cpu"])[0]
     rows = []
@@ -267,11 +263,13 @@ def _pair_maker(torch_module, flax_module, reference_dtype: str):
     return make_pair
 
 
-def assert_parity(torch_module, flax_module, inputs, **options) -> list[Row]:
+def assert_parity(
+    torch_module, flax_module, inputs, options: ParityOptions | None = None, **keywords
+) -> list[Row]:
     """``check_parity``, raising ``AssertionError`` that names every failing row (its check, the
     worst tensor, its error over its bound, the bound and the tolerance); returns the rows when
     all pass."""
-    rows = check_parity(torch_module, flax_module, inputs, **options)
+    rows = check_parity(torch_module, flax_module, inputs, options, **keywords)
     failed = [r for r in rows if not r.passed]
     if failed:
         lines = [

@@ -11,7 +11,7 @@ import torch
 from flax import nnx
 
 import flax_attention as fa
-from conformance_tests.parity import assert_parity, check_parity
+from conformance_tests.parity import ParityOptions, assert_parity, check_parity
 
 
 class UserAttention(torch.nn.Module):
@@ -81,6 +81,15 @@ def test_a_users_pair_that_differs_fails_by_name():
         assert_parity(theirs, ours, [x], key_map=KEY_MAP, checks=("forward", "grad"))
     with pytest.raises(ValueError, match=r"checks \(\['dtype'\]\) must be some of"):
         check_parity(theirs, ours, [x], key_map=KEY_MAP, checks=("dtype",))
+    # the same options as one ParityOptions: the same rows; never both, nor another type
+    options = ParityOptions(key_map=KEY_MAP, checks=("forward", "grad"))
+    assert check_parity(theirs, ours, [x], options) == rows
+    with pytest.raises(TypeError, match=r"options \(a ParityOptions\) and keywords \(seed\)"):
+        check_parity(theirs, ours, [x], options, seed=1)
+    with pytest.raises(TypeError, match=r"options \(dict\) must be a ParityOptions or None"):
+        check_parity(theirs, ours, [x], {"key_map": KEY_MAP})
+    with pytest.raises(TypeError, match="unexpected keyword argument 'key_mapping'"):
+        check_parity(theirs, ours, [x], key_mapping=KEY_MAP)
 
 
 @pytest.mark.parametrize(
