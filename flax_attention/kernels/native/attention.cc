@@ -58,6 +58,27 @@ using Offset = ffi::Buffer<ffi::S32, 0>;
 using Seed = ffi::Buffer<ffi::U32, 0>;
 using Index = ffi::Buffer<ffi::U32, 1>;  // global batch / head numbers of the local ones
 
+// The call's attributes, decoded by name into one struct (the Python side's _Config).
+struct Options {
+  bool is_causal;
+  bool has_mask;
+  float fill_value;
+  uint32_t drop_threshold;
+  float drop_scale;
+  int64_t block_q;
+  int64_t block_k;
+  int32_t products;  // 0 the default for this CPU, 1 the BLAS, 2 the micro-kernel
+};
+
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(Options, ffi::StructMember<bool>("is_causal"),
+                                      ffi::StructMember<bool>("has_mask"),
+                                      ffi::StructMember<float>("fill_value"),
+                                      ffi::StructMember<uint32_t>("drop_threshold"),
+                                      ffi::StructMember<float>("drop_scale"),
+                                      ffi::StructMember<int64_t>("block_q"),
+                                      ffi::StructMember<int64_t>("block_k"),
+                                      ffi::StructMember<int32_t>("products"));
+
 namespace {
 
 using flax_attention::ParallelFor;
@@ -565,11 +586,8 @@ bool MicroKernel(int32_t products) {
 
 // ---- decoding the FFI call -----------------------------------------------------------------
 
-ffi::Error Decode(Attention& a, F32x4 q, F32x4 k,
-                  F32x4 v, Mask mask,
-                  Offset offset, Seed seed, Index batch_index, Index head_index, bool is_causal,
-                  bool has_mask, float fill_value, uint32_t drop_threshold, float drop_scale,
-                  int64_t block_q, int64_t block_k, int32_t products) {
+ffi::Error Decode(Attention& a, F32x4 q, F32x4 k, F32x4 v, Mask mask, Offset offset, Seed seed,
+                  Index batch_index, Index head_index, const Options& o) {
   auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), md = mask.dimensions();
   a.batch = qd[0], a.t = qd[1], a.heads = qd[2], a.dk = qd[3], a.s = kd[1], a.dv = vd[3];
   if (kd[0] != a.batch || vd[0] != a.batch || kd[2] != a.heads || vd[2] != a.heads ||
@@ -586,19 +604,19 @@ ffi::Error Decode(Attention& a, F32x4 q, F32x4 k,
     stride *= md[axis];
   }
   a.q = q.typed_data(), a.k = k.typed_data(), a.v = v.typed_data();
-  a.mask = has_mask ? mask.typed_data() : nullptr;
-  a.causal = is_causal, a.fill = fill_value, a.offset = *offset.typed_data();
+  a.mask = o.has_mask ? mask.typed_data() : nullptr;
+  a.causal = o.is_causal, a.fill = o.fill_value, a.offset = *offset.typed_data();
   a.scale = 1.0f / std::sqrt(float(a.dk));
-  a.seed = *seed.typed_data(), a.drop_threshold = drop_threshold, a.drop_scale = drop_scale;
+  a.seed = *seed.typed_data(), a.drop_threshold = o.drop_threshold, a.drop_scale = o.drop_scale;
   a.batch_index = batch_index.typed_data(), a.head_index = head_index.typed_data();
   // Tiles of 64 query rows (128 from 2048 queries) by 512 keys: fewer rows waste less of the
   // causal diagonal, more make sgemm faster (measured: docs/performance.md, "The native
   // kernel's tiles").
-  a.bq = block_q > 0 ? block_q : (a.t >= 2048 ? 128 : 64);
-  a.bk = block_k > 0 ? block_k : 512;
+  a.bq = o.block_q > 0 ? o.block_q : (a.t >= 2048 ? 128 : 64);
+  a.bk = o.block_k > 0 ? o.block_k : 512;
   if (a.bq > kMaxRows)
     return ffi::Error::InvalidArgument("native attention: block_q must be at most 1024");
-  a.micro = MicroKernel(products) && a.dk % 16 == 0 && a.dv % 16 == 0;
+  a.micro = MicroKernel(o.products) && a.dk % 16 == 0 && a.dv % 16 == 0;
   a.sp = Padded(a.s + kLanes);
   return ffi::Error::Success();
 }
@@ -643,17 +661,12 @@ void TransposeHeads(ffi::ThreadPool& pool, Attention& a, bool values, Transposed
   a.vt = values ? vt : nullptr;
 }
 
-ffi::Error Forward(ffi::ThreadPool pool, F32x4 q, F32x4 k,
-                   F32x4 v, Mask mask,
-                   Offset offset, Seed seed, Index batch_index, Index head_index,
+ffi::Error Forward(ffi::ThreadPool pool, F32x4 q, F32x4 k, F32x4 v, Mask mask, Offset offset,
+                   Seed seed, Index batch_index, Index head_index,
                    ffi::ResultBuffer<ffi::F32, 4> out, ffi::ResultBuffer<ffi::F32, 3> m,
-                   ffi::ResultBuffer<ffi::F32, 3> l, bool is_causal, bool has_mask,
-                   float fill_value, uint32_t drop_threshold, float drop_scale, int64_t block_q,
-                   int64_t block_k, int32_t products) {
+                   ffi::ResultBuffer<ffi::F32, 3> l, Options options) {
   Attention a;
-  if (auto e = Decode(a, q, k, v, mask, offset, seed, batch_index, head_index, is_causal,
-                      has_mask, fill_value, drop_threshold, drop_scale, block_q, block_k,
-                      products);
+  if (auto e = Decode(a, q, k, v, mask, offset, seed, batch_index, head_index, options);
       e.failure())
     return e;
   Transposed transposed;  // released when the call returns
@@ -667,19 +680,13 @@ ffi::Error Forward(ffi::ThreadPool pool, F32x4 q, F32x4 k,
   return ffi::Error::Success();
 }
 
-ffi::Error Backward(ffi::ThreadPool pool, F32x4 q, F32x4 k,
-                    F32x4 v, Mask mask,
-                    Offset offset, Seed seed, Index batch_index, Index head_index,
-                    F32x4 out, F32x3 m,
-                    F32x3 l, F32x4 d_out,
-                    ffi::ResultBuffer<ffi::F32, 4> dq, ffi::ResultBuffer<ffi::F32, 4> dk,
-                    ffi::ResultBuffer<ffi::F32, 4> dv, bool is_causal, bool has_mask,
-                    float fill_value, uint32_t drop_threshold, float drop_scale,
-                    int64_t block_q, int64_t block_k, int32_t products) {
+ffi::Error Backward(ffi::ThreadPool pool, F32x4 q, F32x4 k, F32x4 v, Mask mask, Offset offset,
+                    Seed seed, Index batch_index, Index head_index, F32x4 out, F32x3 m, F32x3 l,
+                    F32x4 d_out, ffi::ResultBuffer<ffi::F32, 4> dq,
+                    ffi::ResultBuffer<ffi::F32, 4> dk, ffi::ResultBuffer<ffi::F32, 4> dv,
+                    Options options) {
   Attention a;
-  if (auto e = Decode(a, q, k, v, mask, offset, seed, batch_index, head_index, is_causal,
-                      has_mask, fill_value, drop_threshold, drop_scale, block_q, block_k,
-                      products);
+  if (auto e = Decode(a, q, k, v, mask, offset, seed, batch_index, head_index, options);
       e.failure())
     return e;
   Transposed transposed;  // released when the call returns
@@ -728,14 +735,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FlaxAttentionForward, Forward,
                                   .Ret<F32x4>()  // out
                                   .Ret<F32x3>()  // m
                                   .Ret<F32x3>()  // l
-                                  .Attr<bool>("is_causal")
-                                  .Attr<bool>("has_mask")
-                                  .Attr<float>("fill_value")
-                                  .Attr<uint32_t>("drop_threshold")
-                                  .Attr<float>("drop_scale")
-                                  .Attr<int64_t>("block_q")
-                                  .Attr<int64_t>("block_k")
-                                  .Attr<int32_t>("products"));
+                                  .Attrs<Options>());  // the call's attributes
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FlaxAttentionBackward, Backward,
                               ffi::Ffi::Bind()
@@ -755,11 +755,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FlaxAttentionBackward, Backward,
                                   .Ret<F32x4>()  // dq
                                   .Ret<F32x4>()  // dk
                                   .Ret<F32x4>()  // dv
-                                  .Attr<bool>("is_causal")
-                                  .Attr<bool>("has_mask")
-                                  .Attr<float>("fill_value")
-                                  .Attr<uint32_t>("drop_threshold")
-                                  .Attr<float>("drop_scale")
-                                  .Attr<int64_t>("block_q")
-                                  .Attr<int64_t>("block_k")
-                                  .Attr<int32_t>("products"));
+                                  .Attrs<Options>());  // the call's attributes
