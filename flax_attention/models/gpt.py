@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import functools
 import math
-import numbers
 import os
 from collections.abc import Mapping
 
@@ -43,7 +42,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from flax_attention._checks import check_positive_int
+from flax_attention._checks import check_bool, check_positive_int, check_rate
 from flax_attention._init import linear_factory, rows_dot_general
 from flax_attention._inputs import check_model_inputs
 from flax_attention.axes import (
@@ -139,14 +138,9 @@ def check_config(cfg) -> dict:
             f"cfg['emb_dim'] ({cfg['emb_dim']}) must be divisible by cfg['n_heads'] "
             f"({cfg['n_heads']})"
         )
-    rate = cfg["drop_rate"]
-    if isinstance(rate, bool) or not isinstance(rate, numbers.Real):
-        raise TypeError(f"cfg['drop_rate'] ({rate!r}) must be a float in [0, 1)")
-    if not 0 <= rate < 1:
-        raise ValueError(f"cfg['drop_rate'] ({rate!r}) must be a float in [0, 1)")
+    check_rate("cfg['drop_rate']", cfg["drop_rate"], "the probability of zeroing")
     for key in ("qkv_bias", "tie_word_embeddings"):
-        if not isinstance(cfg[key], bool):
-            raise TypeError(f"cfg[{key!r}] ({cfg[key]!r}) must be a bool")
+        check_bool(f"cfg[{key!r}]", cfg[key])
     return cfg
 
 
