@@ -182,6 +182,7 @@ def select_implementation(
     step) ``reference``, whose scores are one row per head (the measurements behind these
     thresholds: ``docs/performance.md``, "Choosing an implementation").
     """
+    check_choice("kv_layout", kv_layout, KV_LAYOUTS)
     if need_weights:
         return "reference"
     if _dropout_active(dropout) and not isinstance(dropout, nnx.Dropout):

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from flax_attention._checks import check_choice, check_instance
+from flax_attention._checks import check_choice
 from flax_attention.axes import fetch, place
 from flax_attention.layouts import LAYOUTS, ROLES, Buffer, Key, Layout, ModelNames
 
@@ -328,7 +328,8 @@ def _export(target: _Target, dtype, hosted: dict) -> np.ndarray:
 
 
 def _check_prefix(prefix) -> None:
-    check_instance("prefix", prefix, str, "a str (the keys' common start, or '')")
+    if not isinstance(prefix, str):
+        raise TypeError(f"prefix ({prefix!r}) must be a str (the keys' common start, or '')")
 
 
 def state_dict(

@@ -171,6 +171,7 @@ class LayerNorm(nnx.Module):
     axis, biased variance, ``eps = 1e-5``; computed in at least float32, cast back."""
 
     def __init__(self, emb_dim: int, *, dtype=None, param_dtype=jnp.float32):
+        check_positive_int("emb_dim", emb_dim)
         self.eps = 1e-5
         self.dtype = dtype
         self.scale = nnx.Param(jnp.ones((emb_dim,), param_dtype))  # replicated on a mesh
@@ -205,6 +206,7 @@ class FeedForward(nnx.Module):
     all-reduce."""
 
     def __init__(self, cfg, *, dtype=None, param_dtype=jnp.float32, precision=None, rngs):
+        cfg = check_config(cfg)
         linear = linear_factory(
             dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs
         )
@@ -236,6 +238,7 @@ class TransformerBlock(nnx.Module):
         implementation: Implementation | None = None,
         rngs: nnx.Rngs,
     ):
+        cfg = check_config(cfg)
         self.att = MultiHeadAttention(
             d_in=cfg["emb_dim"],
             d_out=cfg["emb_dim"],

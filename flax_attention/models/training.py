@@ -189,6 +189,7 @@ def train_step(model, optimizer: nnx.Optimizer, input_batch, target_batch):
     ``nnx.state(model)`` before a step are deleted by it; copy them (``jnp.copy(x)``) to keep
     them. An array that NumPy still views (``np.asarray(x)`` on the CPU) is not donated: the
     step leaves it and writes a new one."""
+    check_optimizer("optimizer", optimizer)
     check_labels(target_batch, model.cfg["vocab_size"], IGNORE_INDEX, "token ids")
     return _train_step(model, optimizer, as_array(input_batch), as_array(target_batch))
 
@@ -241,6 +242,7 @@ def in_eval_mode(function):
 def evaluate_model(model, train_batches, val_batches, eval_iter: int) -> tuple[float, float]:
     """``(train_loss, val_loss)`` over ``eval_iter`` batches each, in eval mode (dropout off);
     the model is back in train mode afterwards, as the book's ``evaluate_model`` leaves it."""
+    check_int("eval_iter", eval_iter, 1)
     model.eval()
     try:
         train_loss = calc_loss_loader(train_batches, model, num_batches=eval_iter)
