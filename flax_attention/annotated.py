@@ -12,7 +12,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from flax_attention._checks import check_dropout, check_positive_int, check_splits_over_heads
+from flax_attention._checks import (
+    check_dropout,
+    check_int,
+    check_positive_int,
+    check_splits_over_heads,
+)
 from flax_attention._init import linear_factory, set_linear_axes
 from flax_attention._inputs import check_annotated_inputs, check_projected_inputs
 from flax_attention.axes import FROM_HEADS, HEADS, TO_HEADS, constrain, out_sharding_like
@@ -185,6 +190,7 @@ class MultiHeadedAttention(nnx.Module):
 
 def clones(module, N):
     "Produce N identical layers."
+    check_int("N", N, 0)
     return nnx.List([nnx.clone(module) for _ in range(N)])
 
 

@@ -71,6 +71,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec
 
+from flax_attention._checks import check_choice, check_instance
 from flax_attention.axes import explicit_mesh, spec_of
 from flax_attention.kernels import native
 from flax_attention.kernels.blocked import BlockSizes, blocked_attention
@@ -134,17 +135,13 @@ def masked_softmax(attn_scores, d_key, mask=None, fill_value=-jnp.inf):
 
 def check_implementation(implementation) -> None:
     """``implementation`` must be one of ``IMPLEMENTATIONS`` (layers check it at construction)."""
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation ({implementation!r}) must be one of {IMPLEMENTATIONS}")
+    check_choice("implementation", implementation, IMPLEMENTATIONS)
 
 
 def check_block_sizes(block_sizes) -> None:
     """``block_sizes`` must be a ``BlockSizes`` or ``None`` (automatic)."""
-    if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
-        raise TypeError(
-            f"block_sizes ({type(block_sizes).__name__}) must be a BlockSizes or None "
-            "(e.g. BlockSizes(block_q=128, block_k=128))"
-        )
+    expected = "a BlockSizes or None (e.g. BlockSizes(block_q=128, block_k=128))"
+    check_instance("block_sizes", block_sizes, (BlockSizes, type(None)), expected)
 
 
 def _dropout_active(dropout) -> bool:
@@ -188,6 +185,7 @@ def select_implementation(
     step) ``reference``, whose scores are one row per head (the measurements behind these
     thresholds: ``docs/performance.md``, "Choosing an implementation").
     """
+    check_choice("kv_layout", kv_layout, KV_LAYOUTS)
     if need_weights:
         return "reference"
     if _dropout_active(dropout) and not isinstance(dropout, nnx.Dropout):
@@ -210,8 +208,7 @@ def _kv_length(keys, kv_layout) -> int:
 def _check_options(implementation, block_sizes, kv_layout) -> None:
     check_implementation(implementation)
     check_block_sizes(block_sizes)
-    if kv_layout not in KV_LAYOUTS:
-        raise ValueError(f"kv_layout ({kv_layout!r}) must be one of {KV_LAYOUTS}")
+    check_choice("kv_layout", kv_layout, KV_LAYOUTS)
 
 
 def _check_choice(implementation, queries, keys, values, *, need_weights, dropout) -> None:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import numpy as np
 from flax import nnx
 
+from flax_attention._checks import check_bool
 from flax_attention.annotated import MultiHeadedAttention
 from flax_attention.axes import fetch
 from flax_attention.causal import CausalAttention, MultiHeadAttentionWrapper
@@ -77,8 +78,7 @@ def _causal_options(peer: str, options: dict) -> int | None:
     """``context_length`` when ``causal=True`` is asked for, ``None`` for a non-causal layer."""
     causal = options.pop("causal", False)
     context_length = options.pop("context_length", None)
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal ({causal!r}) must be a bool")
+    check_bool("causal", causal)
     if causal and context_length is None:
         raise ValueError(
             f"context_length (None) must be given with causal=True ({peer} does not carry it)"

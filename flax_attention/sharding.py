@@ -43,7 +43,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from flax_attention._checks import check_positive_int
+from flax_attention._checks import check_instance, check_positive_int
 from flax_attention.axes import (
     DATA,
     FROM_HEADS,
@@ -91,11 +91,8 @@ def _path_name(path) -> str:
 
 
 def _check_mesh(mesh) -> None:
-    if not isinstance(mesh, jax.sharding.Mesh):
-        raise TypeError(
-            f"mesh ({type(mesh).__name__}) must be a jax.sharding.Mesh (e.g. jax.make_mesh("
-            "(2, 4), ('data', 'model')))"
-        )
+    expected = "a jax.sharding.Mesh (e.g. jax.make_mesh((2, 4), ('data', 'model')))"
+    check_instance("mesh", mesh, jax.sharding.Mesh, expected)
 
 
 def _check_spans_processes(mesh) -> None:

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from flax_attention._checks import check_choice
 from flax_attention.axes import fetch, place
 from flax_attention.layouts import LAYOUTS, ROLES, Buffer, Key, Layout, ModelNames
 
@@ -141,8 +142,7 @@ def _layer_class(module: nnx.Module) -> str:
 
 
 def _layout(module: nnx.Module, layout) -> Layout:
-    if not isinstance(layout, str) or layout not in LAYOUTS:
-        raise ValueError(f"layout ({layout!r}) must be one of {tuple(LAYOUTS)}")
+    check_choice("layout", layout, tuple(LAYOUTS))
     spec = LAYOUTS[layout]
     name = _layer_class(module)
     if name not in spec.layers:

@@ -335,7 +335,7 @@ def test_generation_and_hugging_face_names_refuse_a_classification_head(classifi
         (
             lambda m, b: classify.classification_head(32, 1, rngs=nnx.Rngs(0)),
             ValueError,
-            "num_classes (1) must be >= 2: a classifier scores at least two classes",
+            "num_classes (1) must be >= 2 (a classifier scores at least two classes",
         ),
         (
             lambda m, b: (
@@ -629,7 +629,7 @@ def test_appendix_d_equals_the_books_at_every_step(scheduled):
     "kwargs, error, message",
     [
         ({"warmup_steps": 0}, ValueError, "warmup_steps (0) must be >= 1"),
-        ({"peak_lr": -1.0}, ValueError, "peak_lr (-1.0) must be a float >= 0"),
+        ({"peak_lr": -1.0}, ValueError, "peak_lr (-1.0) must be >= 0"),
         ({"train_loader": iter([])}, TypeError, "train_loader (list_iterator) must be re-iterable"),
     ],
     ids=["warmup_0", "negative_lr", "one_pass_loader"],

@@ -591,8 +591,18 @@ def test_bad_config_is_refused_by_name():
         ("emb_dim", 1.5, TypeError, r"cfg\['emb_dim'\] \(1.5\) must be an int \(a positive"),
         ("n_layers", True, TypeError, r"cfg\['n_layers'\] \(True\) must be an int"),
         ("n_heads", 0, ValueError, r"cfg\['n_heads'\] \(0\) must be positive \(an integer >= 1"),
-        ("drop_rate", "0.1", TypeError, r"cfg\['drop_rate'\] \('0.1'\) must be a float in"),
-        ("drop_rate", 1.0, ValueError, r"cfg\['drop_rate'\] \(1.0\) must be a float in \[0, 1\)"),
+        (
+            "drop_rate",
+            "0.1",
+            TypeError,
+            r"cfg\['drop_rate'\] \('0.1'\) must be a float \(a rate in \[0, 1\)\)",
+        ),
+        (
+            "drop_rate",
+            1.0,
+            ValueError,
+            r"cfg\['drop_rate'\] \(1.0\) must be in \[0, 1\) \(the probability of zeroing\)",
+        ),
     ]:
         with pytest.raises(error, match=text):
             models.GPTModel({**CFG, key: value}, rngs=nnx.Rngs(0))

@@ -27,11 +27,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import numbers
 
 import jax
 import jax.numpy as jnp
 
+from flax_attention._checks import check_positive_int
 from flax_attention.kernels import dropout_hash
 from flax_attention.masking import AttentionMask, flatten_mask
 
@@ -58,11 +58,7 @@ class BlockSizes:
 
     def __post_init__(self):
         for name in ("block_q", "block_k"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-                raise TypeError(f"{name} ({value!r}) must be an int (a positive integer)")
-            if value <= 0:
-                raise ValueError(f"{name} ({value}) must be positive (an integer >= 1)")
+            check_positive_int(name, getattr(self, name))
 
     @classmethod
     def square(cls, edge: int) -> BlockSizes:

@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import functools
 import math
-import numbers
 
 import jax
 import jax.numpy as jnp
@@ -59,7 +58,14 @@ import numpy as np
 import optax
 from flax import nnx
 
-from flax_attention._checks import check_dropout, check_positive_int
+from flax_attention._checks import (
+    check_at_most,
+    check_dropout,
+    check_instance,
+    check_int,
+    check_positive_int,
+    check_rate,
+)
 from flax_attention._init import linear_factory
 from flax_attention.annotated import MultiHeadedAttention, ProjectedKV
 from flax_attention.axes import (
@@ -519,13 +525,11 @@ class LabelSmoothing:
     whose target is ``padding_idx`` all zero."""
 
     def __init__(self, size: int, padding_idx: int, smoothing: float = 0.0):
-        check_positive_int("size", size)
-        if size < 3:
-            raise ValueError(f"size ({size}) must be >= 3 (smoothing spreads over size - 2)")
-        if not 0 <= padding_idx < size:
+        check_int("size", size, 3, why="smoothing spreads over size - 2")
+        check_int("padding_idx", padding_idx, 0)
+        if padding_idx >= size:
             raise ValueError(f"padding_idx ({padding_idx}) must lie in 0..{size - 1}")
-        if not 0.0 <= smoothing < 1.0:
-            raise ValueError(f"smoothing ({smoothing}) must lie in [0, 1)")
+        check_rate("smoothing", smoothing, "the mass spread over the other classes")
         self.size = size
         self.padding_idx = padding_idx
         self.smoothing = smoothing
@@ -617,20 +621,12 @@ def greedy_decode(model: EncoderDecoder, src, src_mask, max_len: int, start_symb
     In one jit: the encoder once, each source attention's keys and values projected once, and
     each decoder self-attention reading a cache of the steps so far (its keys and values
     written one token per step), instead of the post's whole decoder run again per token."""
-    if not isinstance(model, EncoderDecoder):
-        raise TypeError(f"model ({type(model).__name__}) must be an EncoderDecoder")
-    if isinstance(max_len, bool) or not isinstance(max_len, numbers.Integral):
-        raise TypeError(f"max_len ({max_len!r}) must be an int")
-    if max_len < 1:
-        raise ValueError(f"max_len ({max_len}) must be >= 1 (the start symbol included)")
+    check_instance("model", model, EncoderDecoder, "an EncoderDecoder")
+    check_int("max_len", max_len, 1, why="the start symbol included")
     table = model.tgt_embed[1].pe.shape[1]
-    if max_len > table:
-        raise ValueError(
-            f"max_len ({max_len}) must not exceed the positional table's max_len ({table})"
-        )
+    check_at_most("max_len", max_len, "the positional table's max_len", table)
     vocab = model.tgt_embed[0].lut.num_embeddings
-    if isinstance(start_symbol, bool) or not isinstance(start_symbol, numbers.Integral):
-        raise TypeError(f"start_symbol ({start_symbol!r}) must be an int")
+    check_int("start_symbol", start_symbol, 0)
     if not 0 <= start_symbol < vocab:
         raise ValueError(f"start_symbol ({start_symbol}) must lie in 0..{vocab - 1}")
     if _ndim(src) == 2 and not isinstance(src, jax.core.Tracer):

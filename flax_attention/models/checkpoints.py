@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from flax_attention._checks import check_instance
 from flax_attention.sharding import shard
 from flax_attention.weights import FileTensor, load_state_dict, state_dict
 
@@ -354,6 +355,7 @@ def read_pth(path: str | os.PathLike) -> dict[str, np.ndarray]:
             "read_pth needs torch to read a .pth file: pip install torch (the CPU build: "
             "pip install torch --index-url https://download.pytorch.org/whl/cpu)"
         ) from error
+    check_instance("path", path, (str, os.PathLike), "a str or os.PathLike (a .pth file)")
     name = os.fspath(path)
     if not os.path.isfile(name):
         found = "a directory" if os.path.isdir(name) else "no such file"

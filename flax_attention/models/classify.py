@@ -44,17 +44,16 @@ import dataclasses
 import functools
 import itertools
 import math
-import numbers
 
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from flax_attention._checks import check_instance, check_int
 from flax_attention._init import linear_factory
 from flax_attention.models.gpt import _REPLICATED, GPTModel, describe_head, head_outputs
 from flax_attention.models.training import (
     as_array,
-    check_count,
     check_labels,
     cross_entropy,
     in_eval_mode,
@@ -79,13 +78,8 @@ __all__ = [
 
 
 def _check_num_classes(num_classes, where: str = "") -> None:
-    if isinstance(num_classes, bool) or not isinstance(num_classes, numbers.Integral):
-        raise TypeError(f"num_classes{where} ({num_classes!r}) must be an int >= 2")
-    if num_classes < 2:
-        raise ValueError(
-            f"num_classes{where} ({num_classes}) must be >= 2: a classifier scores at least two "
-            "classes (the book's spam filter: 2)"
-        )
+    why = "a classifier scores at least two classes; the book's spam filter: 2"
+    check_int(f"num_classes{where}", num_classes, 2, why=why)
 
 
 def classification_head(
@@ -101,7 +95,7 @@ def classification_head(
     an ``nnx.Linear`` with bias whose weights are drawn as torch's (uniform in
     ``+-1/sqrt(emb_dim)``), replicated on a mesh as the vocabulary's head. Put it in place:
     ``model.out_head = classification_head(cfg["emb_dim"], 2, rngs=nnx.Rngs(123))``."""
-    check_count("emb_dim", emb_dim)
+    check_int("emb_dim", emb_dim, 1)
     _check_num_classes(num_classes)
     linear = linear_factory(dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs)
     return linear(emb_dim, num_classes, axes=_REPLICATED)
@@ -191,7 +185,7 @@ def _checked(model, input_batch, target_batch):
 def calc_loss_loader(data_loader, model, num_batches: int | None = None) -> float:
     """The mean of the first ``num_batches`` batches' losses (all if ``None``; ``nan`` for an
     empty loader), as the book's; runs in the model's current mode."""
-    check_count("num_batches", num_batches, optional="every batch")
+    check_int("num_batches", num_batches, 1, optional="every batch")
     total, count = 0.0, 0
     for input_batch, target_batch in itertools.islice(data_loader, num_batches):
         total += float(_checked(model, input_batch, target_batch)[0])
@@ -203,7 +197,7 @@ def calc_accuracy_loader(data_loader, model, num_batches: int | None = None) -> 
     """The share of the first ``num_batches`` batches' examples (all if ``None``) whose
     last-token ``argmax`` is their label, in eval mode (the book's ``model.eval()``; the
     model's mode is put back afterwards); ``nan`` for an empty loader."""
-    check_count("num_batches", num_batches, optional="every batch")
+    check_int("num_batches", num_batches, 1, optional="every batch")
     return _accuracy(model, data_loader, num_batches)
 
 
@@ -255,8 +249,8 @@ def train_classifier_simple(
     train_loader, val_loader, optimizer = loaders_and_optimizer(train_loader, val_loader, optimizer)
     num_classes_of(model)
     for name, value in (("num_epochs", num_epochs), ("eval_freq", eval_freq)):
-        check_count(name, value)
-    check_count("eval_iter", eval_iter, optional="every batch")
+        check_int(name, value, 1)
+    check_int("eval_iter", eval_iter, 1, optional="every batch")
     train_losses, val_losses, train_accs, val_accs = [], [], [], []
     examples_seen, global_step = 0, -1
     for epoch in range(num_epochs):
@@ -300,17 +294,16 @@ def classify_review(text, model, tokenizer, max_length=None, pad_token_id=50256)
     ``max_length``: the length the training texts were padded to (the book passes its
     ``SpamDataset``'s ``max_length``); ``None`` keeps the text's own length (cut to
     ``context_length``), where the book's code fails (``min(None, ...)``)."""
-    if not isinstance(text, str):
-        raise TypeError(f"text ({type(text).__name__}) must be a str")
+    check_instance("text", text, str, "a str")
     num_classes_of(model)
     context_length = model.cfg["context_length"]
-    check_count("max_length", max_length, optional="the text's own length")
+    check_int("max_length", max_length, 1, optional="the text's own length")
     if max_length is not None and max_length > context_length:
         raise ValueError(
             f"max_length ({max_length}) must not exceed the model's context_length "
             f"({context_length})"
         )
-    check_count("pad_token_id", pad_token_id, minimum=0)
+    check_int("pad_token_id", pad_token_id, 0)
     input_ids = list(tokenizer.encode(text))
     input_ids = input_ids[: context_length if max_length is None else max_length]
     if max_length is not None:

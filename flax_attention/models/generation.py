@@ -42,7 +42,6 @@ dropped at the end.
 from __future__ import annotations
 
 import functools
-import numbers
 
 import jax
 import jax.numpy as jnp
@@ -50,6 +49,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from flax_attention._checks import check_int, check_real
 from flax_attention._inputs import check_token_ids, check_zero_one
 from flax_attention.axes import DATA, mesh_axis_size, parameters_mesh, place
 from flax_attention.models.gpt import GPTModel, describe_head, head_outputs
@@ -117,23 +117,20 @@ def generate(
         )
     ids = _check_idx(idx, cfg["vocab_size"])
     batch, tokens = ids.shape
-    _check_count("max_new_tokens", max_new_tokens, minimum=0)
-    _check_count("context_size", context_size, minimum=1)
+    check_int("max_new_tokens", max_new_tokens, 0)
+    check_int("context_size", context_size, 1)
     if context_size > cfg["context_length"]:
         raise ValueError(
             f"context_size ({context_size}) must not exceed the model's context_length "
             f"({cfg['context_length']})"
         )
-    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
-        raise TypeError(f"temperature ({temperature!r}) must be a float >= 0")
-    if not temperature >= 0:
-        raise ValueError(f"temperature ({temperature}) must be >= 0 (0: greedy)")
+    check_real("temperature", temperature, 0, why="0: greedy")
     if top_k is not None:
-        _check_count("top_k", top_k, minimum=1)
+        check_int("top_k", top_k, 1)
         if top_k > cfg["vocab_size"]:
             raise ValueError(f"top_k ({top_k}) must be in 1..vocab_size ({cfg['vocab_size']})")
     if eos_id is not None:
-        _check_count("eos_id", eos_id, minimum=0)
+        check_int("eos_id", eos_id, 0)
         if eos_id >= cfg["vocab_size"]:
             raise ValueError(f"eos_id ({eos_id}) must be below vocab_size ({cfg['vocab_size']})")
         if batch != 1:
@@ -141,7 +138,7 @@ def generate(
                 f"eos_id ({eos_id}) needs a batch of one row (idx has {batch}): the book stops "
                 "the whole sequence when the next token is eos_id"
             )
-    _check_count("prompt_bucket", prompt_bucket, minimum=1)
+    check_int("prompt_bucket", prompt_bucket, 1)
     greedy = temperature == 0
     if not greedy and key is None:
         raise ValueError("key (None) must be a jax.random.key when sampling (temperature > 0)")
@@ -239,13 +236,6 @@ def _on(value: np.ndarray, sharding):
     """``value`` where ``sharding`` says (``place``: each process its own rows), or on the
     default device, uncommitted, without one."""
     return jnp.asarray(value) if sharding is None else place(value, sharding)
-
-
-def _check_count(name, value, *, minimum):
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} ({value!r}) must be an int")
-    if value < minimum:
-        raise ValueError(f"{name} ({value}) must be >= {minimum}")
 
 
 def _check_key(key) -> jax.Array:

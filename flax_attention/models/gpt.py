@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import functools
 import math
-import numbers
 import os
 from collections.abc import Mapping
 
@@ -43,7 +42,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from flax_attention._checks import check_positive_int
+from flax_attention._checks import check_bool, check_positive_int, check_rate
 from flax_attention._init import linear_factory, rows_dot_general
 from flax_attention._inputs import check_model_inputs
 from flax_attention.axes import (
@@ -139,14 +138,9 @@ def check_config(cfg) -> dict:
             f"cfg['emb_dim'] ({cfg['emb_dim']}) must be divisible by cfg['n_heads'] "
             f"({cfg['n_heads']})"
         )
-    rate = cfg["drop_rate"]
-    if isinstance(rate, bool) or not isinstance(rate, numbers.Real):
-        raise TypeError(f"cfg['drop_rate'] ({rate!r}) must be a float in [0, 1)")
-    if not 0 <= rate < 1:
-        raise ValueError(f"cfg['drop_rate'] ({rate!r}) must be a float in [0, 1)")
+    check_rate("cfg['drop_rate']", cfg["drop_rate"], "the probability of zeroing")
     for key in ("qkv_bias", "tie_word_embeddings"):
-        if not isinstance(cfg[key], bool):
-            raise TypeError(f"cfg[{key!r}] ({cfg[key]!r}) must be a bool")
+        check_bool(f"cfg[{key!r}]", cfg[key])
     return cfg
 
 
@@ -177,6 +171,7 @@ class LayerNorm(nnx.Module):
     axis, biased variance, ``eps = 1e-5``; computed in at least float32, cast back."""
 
     def __init__(self, emb_dim: int, *, dtype=None, param_dtype=jnp.float32):
+        check_positive_int("emb_dim", emb_dim)
         self.eps = 1e-5
         self.dtype = dtype
         self.scale = nnx.Param(jnp.ones((emb_dim,), param_dtype))  # replicated on a mesh
@@ -211,6 +206,7 @@ class FeedForward(nnx.Module):
     all-reduce."""
 
     def __init__(self, cfg, *, dtype=None, param_dtype=jnp.float32, precision=None, rngs):
+        cfg = check_config(cfg)
         linear = linear_factory(
             dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs
         )
@@ -242,6 +238,7 @@ class TransformerBlock(nnx.Module):
         implementation: Implementation | None = None,
         rngs: nnx.Rngs,
     ):
+        cfg = check_config(cfg)
         self.att = MultiHeadAttention(
             d_in=cfg["emb_dim"],
             d_out=cfg["emb_dim"],

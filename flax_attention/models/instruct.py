@@ -24,12 +24,12 @@ sequence, so batches of many widths compile many times (``allowed_max_length`` b
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Mapping
 
 import numpy as np
 
-from flax_attention.models.training import IGNORE_INDEX, check_count
+from flax_attention._checks import check_int
+from flax_attention.models.training import IGNORE_INDEX
 
 __all__ = ["format_input", "custom_collate_fn"]
 
@@ -85,15 +85,14 @@ def custom_collate_fn(
     ``pad_token_id`` inside the text counts as the first). Then both are cut to
     ``allowed_max_length`` tokens when given. ``t`` is ``min(longest, allowed_max_length)``.
     """
-    check_count("pad_token_id", pad_token_id, minimum=0)
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
-        raise TypeError(f"ignore_index ({ignore_index!r}) must be an int (torch's default -100)")
+    check_int("pad_token_id", pad_token_id, 0)
+    check_int("ignore_index", ignore_index, why="torch's default -100")
     if ignore_index >= 0:
         raise ValueError(
             f"ignore_index ({ignore_index}) must be negative, no token id (0 and up are token "
             "ids; torch's default -100 is what the loss leaves out)"
         )
-    check_count("allowed_max_length", allowed_max_length, minimum=2, optional="no cut")
+    check_int("allowed_max_length", allowed_max_length, 2, optional="no cut")
     if isinstance(batch, (str, bytes)) or not hasattr(batch, "__len__"):
         raise TypeError(f"batch ({type(batch).__name__}) must be a list of token-id sequences")
     if len(batch) == 0:

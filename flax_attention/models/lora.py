@@ -49,13 +49,12 @@ Shape legend: ``...`` leading axes (batch, tokens), ``d_in`` = ``in_dim``, ``r``
 from __future__ import annotations
 
 import math
-import numbers
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from flax_attention._checks import check_positive_int
+from flax_attention._checks import check_instance, check_positive_int, check_real
 from flax_attention._init import rows_dot_general
 
 __all__ = [
@@ -81,17 +80,11 @@ def torch_kaiming_uniform_a_sqrt5(key, shape, dtype=jnp.float32):
 
 
 def _check_alpha(alpha) -> None:
-    if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real):
-        raise TypeError(
-            f"alpha ({alpha!r}) must be a real number (the update's scale is alpha / rank)"
-        )
-    if not math.isfinite(alpha):
-        raise ValueError(f"alpha ({alpha}) must be finite (the update's scale is alpha / rank)")
+    check_real("alpha", alpha, finite=True, why="the update's scale is alpha / rank")
 
 
 def _check_rngs(rngs) -> None:
-    if not isinstance(rngs, nnx.Rngs):
-        raise TypeError(f"rngs ({type(rngs).__name__}) must be an nnx.Rngs (e.g. nnx.Rngs(0))")
+    check_instance("rngs", rngs, nnx.Rngs, "an nnx.Rngs (e.g. nnx.Rngs(0))")
 
 
 class LoRALayer(nnx.Module):
@@ -172,10 +165,7 @@ class LinearWithLoRA(nnx.Module):
     """
 
     def __init__(self, linear: nnx.Linear, rank: int, alpha: float, *, rngs: nnx.Rngs):
-        if not isinstance(linear, nnx.Linear):
-            raise TypeError(
-                f"linear ({type(linear).__name__}) must be an nnx.Linear (the layer to adapt)"
-            )
+        check_instance("linear", linear, nnx.Linear, "an nnx.Linear (the layer to adapt)")
         self.linear = linear
         self.lora = LoRALayer(
             linear.in_features,
@@ -215,11 +205,8 @@ class LinearWithLoRA(nnx.Module):
 
 
 def _check_model(model) -> None:
-    if not isinstance(model, nnx.Module):
-        raise TypeError(
-            f"model ({type(model).__name__}) must be an nnx.Module (e.g. a GPTModel) whose "
-            "nnx.Linear layers are to be replaced"
-        )
+    expected = "an nnx.Module (e.g. a GPTModel) whose nnx.Linear layers are to be replaced"
+    check_instance("model", model, nnx.Module, expected)
 
 
 def _set_child(parent: nnx.Module, key, child: nnx.Module) -> None:

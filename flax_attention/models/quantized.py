@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from flax_attention._checks import check_choice, check_instance
 from flax_attention._init import narrow_product_ok
 
 __all__ = ["SCHEMES", "Int8Embed", "Int8Linear", "Int8Weight", "WeightScale", "quantize"]
@@ -154,12 +155,8 @@ def quantize(model, scheme: str = "int8"):
     is left as it is."""
     from flax_attention.models.gpt import GPTModel
 
-    if not isinstance(scheme, str):
-        raise TypeError(f"scheme ({scheme!r}) must be a str, one of {SCHEMES}")
-    if scheme not in SCHEMES:
-        raise ValueError(f"scheme ({scheme!r}) must be one of {SCHEMES} (int8 weights)")
-    if not isinstance(model, GPTModel):
-        raise TypeError(f"model ({type(model).__name__}) must be a flax_attention.models.GPTModel")
+    check_choice("scheme", scheme, SCHEMES, "int8 weights")
+    check_instance("model", model, GPTModel, "a flax_attention.models.GPTModel")
     if any(isinstance(node, (Int8Linear, Int8Embed)) for _, node in nnx.iter_graph(model)):
         raise ValueError("model is already quantized (it holds Int8Linear layers)")
     quantized = nnx.clone(model)

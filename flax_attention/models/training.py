@@ -43,7 +43,6 @@ import functools
 import inspect
 import itertools
 import math
-import numbers
 
 import jax
 import jax.numpy as jnp
@@ -51,6 +50,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from flax_attention._checks import check_int, check_real
 from flax_attention.axes import fetch
 
 __all__ = [
@@ -72,22 +72,9 @@ IGNORE_INDEX = -100
 # ---- checks --------------------------------------------------------------------------------------
 
 
-def check_count(name: str, value, *, minimum: int = 1, optional: str = "") -> None:
-    """``value`` is an int >= ``minimum``, or ``None`` where ``optional`` says what it means."""
-    if optional and value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        rule = "an int or None" if optional else "an int"
-        raise TypeError(f"{name} ({value!r}) must be {rule}")
-    if value < minimum:
-        hint = f" (None: {optional})" if optional else ""
-        raise ValueError(f"{name} ({value}) must be >= {minimum}{hint}")
-
-
 def check_ignore_index(ignore_index, vocab_size: int) -> None:
     """``ignore_index`` is an int no token id takes: a real id would drop that token's loss."""
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
-        raise TypeError(f"ignore_index ({ignore_index!r}) must be an int (torch's default -100)")
+    check_int("ignore_index", ignore_index, why="torch's default -100")
     if 0 <= ignore_index < vocab_size:
         raise ValueError(
             f"ignore_index ({ignore_index}) must not be a token id (0..{vocab_size - 1}, "
@@ -202,6 +189,7 @@ def train_step(model, optimizer: nnx.Optimizer, input_batch, target_batch):
     ``nnx.state(model)`` before a step are deleted by it; copy them (``jnp.copy(x)``) to keep
     them. An array that NumPy still views (``np.asarray(x)`` on the CPU) is not donated: the
     step leaves it and writes a new one."""
+    check_optimizer("optimizer", optimizer)
     check_labels(target_batch, model.cfg["vocab_size"], IGNORE_INDEX, "token ids")
     return _train_step(model, optimizer, as_array(input_batch), as_array(target_batch))
 
@@ -214,7 +202,7 @@ def _eval_loss(model, input_batch, target_batch):
 def _loader_mean(batches, num_batches, per_batch) -> float:
     """The mean of ``per_batch`` over the first ``num_batches`` batches (all if ``None``), read
     lazily; ``nan`` for none."""
-    check_count("num_batches", num_batches, optional="every batch")
+    check_int("num_batches", num_batches, 1, optional="every batch")
     total, count = 0.0, 0
     for input_batch, target_batch in itertools.islice(batches, num_batches):
         total += per_batch(input_batch, target_batch)
@@ -254,6 +242,7 @@ def in_eval_mode(function):
 def evaluate_model(model, train_batches, val_batches, eval_iter: int) -> tuple[float, float]:
     """``(train_loss, val_loss)`` over ``eval_iter`` batches each, in eval mode (dropout off);
     the model is back in train mode afterwards, as the book's ``evaluate_model`` leaves it."""
+    check_int("eval_iter", eval_iter, 1)
     model.eval()
     try:
         train_loss = calc_loss_loader(train_batches, model, num_batches=eval_iter)
@@ -318,8 +307,8 @@ def train_model_simple(
     (chapter 7's ``custom_collate_fn``) are left out of the loss."""
     train_loader, val_loader, optimizer = loaders_and_optimizer(train_loader, val_loader, optimizer)
     for name, value in (("num_epochs", num_epochs), ("eval_freq", eval_freq)):
-        check_count(name, value)
-    check_count("eval_iter", eval_iter, optional="every batch")
+        check_int(name, value, 1)
+    check_int("eval_iter", eval_iter, 1, optional="every batch")
     train_losses, val_losses, track_tokens_seen = [], [], []
     tokens_seen, global_step = 0, -1
     for epoch in range(num_epochs):
@@ -402,13 +391,6 @@ def learning_rate(
     return min_lr + (peak_lr - min_lr) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def _check_rate(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} ({value!r}) must be a float >= 0")
-    if not value >= 0:
-        raise ValueError(f"{name} ({value}) must be a float >= 0")
-
-
 def train_model(
     model,
     train_loader,
@@ -448,15 +430,15 @@ def train_model(
         ("eval_freq", eval_freq),
         ("warmup_steps", warmup_steps),
     ):
-        check_count(name, value)
-    check_count("eval_iter", eval_iter, optional="every batch")
+        check_int(name, value, 1)
+    check_int("eval_iter", eval_iter, 1, optional="every batch")
     for name, value in (
         ("peak_lr", peak_lr),
         ("initial_lr", initial_lr),
         ("min_lr", min_lr),
         ("weight_decay", weight_decay),
     ):
-        _check_rate(name, value)
+        check_real(name, value, 0)
     if not hasattr(train_loader, "__len__"):
         raise TypeError(
             f"train_loader ({type(train_loader).__name__}) must have a len(): the schedule "
