@@ -8,7 +8,7 @@ a Python module: the package loads it with ``ctypes`` and registers it with ``ja
 """
 
 import os
-import platform
+import runpy
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
@@ -27,20 +27,8 @@ class BuildNative(build_ext):
             return
         from importlib.metadata import version
 
-        # The FFI's API version follows jaxlib: the library records which one it was built
-        # against, and the package loads it only under that jaxlib.
-        flags = [
-            "-std=c++17",
-            "-O3",
-            "-fopenmp-simd",
-            f'-DFLAX_ATTENTION_JAXLIB="{version("jaxlib")}"',
-        ]
-        # Portable: on x86-64 attention.cc's hot functions are compiled for AVX-512, AVX2 and
-        # baseline x86-64, and the widest the CPU runs is picked when the library loads.
-        # FLAX_ATTENTION_MARCH=native (or x86-64-v3, ...) builds one copy for that -march only.
-        march = os.environ.get("FLAX_ATTENTION_MARCH", "")
-        if march and platform.machine() in ("x86_64", "AMD64"):
-            flags += [f"-march={march}", "-DFLAX_ATTENTION_ONE_ARCH"]
+        flags_file = os.path.join("flax_attention", "kernels", "native", "flags.py")
+        flags = runpy.run_path(flags_file)["compile_flags"](version("jaxlib"))
         for ext in self.extensions:
             ext.include_dirs += [jax.ffi.include_dir(), scipy_openblas32.get_include_dir()]
             ext.library_dirs += [scipy_openblas32.get_lib_dir()]

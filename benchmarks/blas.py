@@ -51,6 +51,7 @@ import tempfile
 import numpy as np
 
 from benchmarks.timing import median_ms, rotations
+from flax_attention.kernels.native.flags import compile_flags
 
 HEADS, HEAD_DIM = 12, 64
 ROW = HEADS * HEAD_DIM  # the rows of q, k, v, out and their gradients: (b, t, h, d)
@@ -228,11 +229,10 @@ def _compiler() -> str:
 
 
 def _flags(march: str) -> list[str]:
-    """setup.py's flags for the kernel: portable (``march`` empty), or one copy for ``march``."""
-    flags = ["-std=c++17", "-O3", "-fopenmp-simd", "-DNDEBUG", "-fwrapv", "-fPIC", "-shared"]
-    if march and platform.machine() in ("x86_64", "AMD64"):
-        flags += [f"-march={march}", "-DFLAX_ATTENTION_ONE_ARCH"]
-    return flags
+    """setup.py's flags for the kernel (``flags.compile_flags``: portable where ``march`` is
+    empty, or one copy for ``march``), and what setuptools adds to them."""
+    jaxlib = importlib.metadata.version("jaxlib")
+    return [*compile_flags(jaxlib, march), "-DNDEBUG", "-fwrapv", "-fPIC", "-shared"]
 
 
 def build(
@@ -254,8 +254,7 @@ def build(
     if source == KERNEL_SOURCE:
         import jax.ffi
 
-        jaxlib = importlib.metadata.version("jaxlib")
-        command += [f"-I{jax.ffi.include_dir()}", f'-DFLAX_ATTENTION_JAXLIB="{jaxlib}"']
+        command += [f"-I{jax.ffi.include_dir()}"]
     command += [str(source), "-o", str(out), *blas.link]
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode:
