@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from conformance_tests.compare import Row, make_row
-from conformance_tests.pairs import Subject, call_flax, call_torch, named, prepare, torch_on
+from conformance_tests.pairs import Subject, call_torch, flax_forward, named, prepare, torch_on
 
 __all__ = ["check_forward"]
 
@@ -17,6 +17,6 @@ def check_forward(subject: Subject, backend, dtype="float32") -> list[Row]:
     t_inputs, t_mask, f_inputs, f_mask = prepare(backend, subject.inputs, subject.mask, dtype)
     with torch.no_grad():
         reference = named(subject, call_torch(subject, tm, t_inputs, t_mask))
-    actual = named(subject, call_flax(subject, fm, f_inputs, f_mask))
+    actual = named(subject, flax_forward(subject, fm, f_inputs, f_mask))
     key = subject.forward_key if dtype == "float32" else "forward"
     return [make_row(subject.name, backend, dtype, "forward", reference, actual, key)]

@@ -9,7 +9,7 @@ import torch
 
 from conformance_tests.checks.grad import flax_grads, torch_grads
 from conformance_tests.compare import Row, make_row, to_numpy
-from conformance_tests.pairs import Subject, call_flax, call_torch, prepare, rng, torch_on
+from conformance_tests.pairs import Subject, call_torch, flax_forward, prepare, rng, torch_on
 
 __all__ = ["check_mask"]
 
@@ -34,7 +34,7 @@ def check_mask(subject: Subject, backend, dtype="float32") -> list[Row]:
         t_in, t_mask, f_in, f_mask = prepare(backend, xs, mask)
         with torch.no_grad():
             t_out = call_torch(subject, tm, t_in, t_mask)[0]
-        f_out = call_flax(subject, fm, f_in, f_mask)[0]
+        f_out = flax_forward(subject, fm, f_in, f_mask)[0]
         return to_numpy(t_out)[..., rows_kept, :], to_numpy(f_out)[..., rows_kept, :]
 
     (t_before, f_before), (t_after, f_after) = outputs_of(inputs), outputs_of(perturbed)
@@ -84,11 +84,11 @@ def _fully_masked_row(subject: Subject, backend, tm, fm, reference, actual) -> b
     t_in, t_mask, f_in, f_mask = prepare(backend, subject.inputs, subject.mask)
     with torch.no_grad():
         t_weights = call_torch(subject, tm, t_in, t_mask)[weights_at]
-    f_weights = call_flax(subject, fm, f_in, f_mask)[weights_at]
+    f_weights = flax_forward(subject, fm, f_in, f_mask)[weights_at]
     uniform = np.full(f_weights.shape[1:2] + f_weights.shape[-1:], 1.0 / f_weights.shape[-1])
     reference.update({"torch weights, masked row": uniform, "flax weights, masked row": uniform})
     actual["torch weights, masked row"] = to_numpy(t_weights)[0, :, 0, :]
     actual["flax weights, masked row"] = to_numpy(f_weights)[0, :, 0, :]
     _, t_grads, cot = torch_grads(subject, tm, t_in, t_mask)
-    f_grads = flax_grads(subject, fm, f_in, f_mask, cot)
+    f_grads = flax_grads(subject, fm, f_in, f_mask, cot, jit=True)
     return all(np.isfinite(to_numpy(g)).all() for g in (*t_grads.values(), *f_grads.values()))
