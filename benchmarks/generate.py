@@ -71,8 +71,9 @@ from benchmarks.gpt_models import (
 )
 from benchmarks.rows import make_row
 from benchmarks.timing import Timing, interleaved
+from flax_attention.cache import decode_step, split_for_decode
 from flax_attention.models import GPTModel, generate, quantize
-from flax_attention.models.generation import _next_token  # the step's greedy choice, as is
+from flax_attention.models.generation import next_token
 from flax_attention.models.quantized import Int8Weight, WeightScale
 
 __all__ = ["format_rows", "plan_calls", "run"]
@@ -299,43 +300,56 @@ def _hf_generate(model, ids, steps):
 # ---- the model's decode step, in jitted loops ---------------------------------------------------
 
 
+def _hidden(model, ids):
+    """The model's decode forward, as generate's loop runs it: ``(b, t)`` ids -> ``(b, t, d)``."""
+    return model.hidden_states(ids, decode=True)
+
+
+def _logits(model, hidden):
+    """The tied head of the last token's hidden state: ``(b, d)`` -> ``(b, V)``."""
+    return model.logits(hidden)
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef",))
 def _prefill(graphdef, params, state, ids):
     """The state after ``ids`` went through the caches (untimed): where the loops start."""
-    model = nnx.merge(graphdef, params, state)
-    model.hidden_states(ids, decode=True)
-    return nnx.state(model, nnx.Not(nnx.Param))
+    return decode_step(graphdef, params, state, _hidden, ids)[0]
 
 
 def _greedy(logits):
     """generate's choice at temperature 0: ``(b, V)`` -> ``(b,)`` int32."""
-    return _next_token(logits, None, 1.0, greedy=True, top_k=None)
+    return next_token(logits, None, 1.0, greedy=True)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "steps"))
 def _decode_loop(graphdef, params, state, token, *, steps):
-    """``steps`` greedy steps as generate's loop makes them: ``hidden_states(decode=True)`` of
-    the last token, the tied head, the greedy choice, fed back."""
+    """``steps`` greedy steps as generate's loop makes them (``decode_step``:
+    ``hidden_states(decode=True)`` of the last token, the tied head), the greedy choice fed
+    back."""
 
     def step(_, carry):
         state, token = carry  # token: (b,)
-        model = nnx.merge(graphdef, params, state)
-        hidden = model.hidden_states(token[:, None], decode=True)[:, 0]  # (b, d)
-        return nnx.state(model, nnx.Not(nnx.Param)), _greedy(model.logits(hidden))
+        state, logits = decode_step(graphdef, params, state, _hidden, token[:, None], head=_logits)
+        return state, _greedy(logits)
 
     return jax.lax.fori_loop(0, steps, step, (state, token))[1]
 
 
+def _blocks(model, x):
+    """The blocks with their caches and the final norm: ``(b, 1, d)`` -> ``(b, 1, d)``."""
+    for block in model.trf_blocks:
+        x = block(x, decode=True)  # (b, 1, d)
+    return model.final_norm(x)
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "steps"))
 def _layers(graphdef, params, state, x, *, steps):
-    """The blocks and the final norm, ``x`` ``(b, 1, d)`` fed back."""
+    """The blocks and the final norm (``decode_step``), ``x`` ``(b, 1, d)`` fed back."""
 
     def step(_, carry):
         state, x = carry
-        model = nnx.merge(graphdef, params, state)
-        for block in model.trf_blocks:
-            x = block(x, decode=True)  # (b, 1, d)
-        return nnx.state(model, nnx.Not(nnx.Param)), model.final_norm(x)
+        state, x = decode_step(graphdef, params, state, _blocks, x)  # x: (b, d)
+        return state, x[:, None]
 
     return jax.lax.fori_loop(0, steps, step, (state, x))[1]
 
@@ -386,7 +400,7 @@ def _prefilled(model, batch, position, length, rng):
     ids = rng.integers(0, model.cfg["vocab_size"], (batch, position)).astype(np.int32)
     model.eval()
     model.init_cache(batch, length)
-    graphdef, params, state = nnx.split(model, nnx.Param, ...)
+    graphdef, params, state = split_for_decode(model)
     model.clear_cache()
     state = _prefill(graphdef, params, state, jnp.asarray(ids))
     return graphdef, params, state, jnp.asarray(ids[:, -1])

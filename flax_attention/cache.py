@@ -10,7 +10,16 @@ A layer with a cache keeps, as ``nnx.Cache`` variables (state, not parameters):
 The layer declares all three in ``__init__`` as ``None`` and ``init_cache`` fills them from
 ``new_cache``; ``__call__(x, decode=True)`` passes them to ``append``. What this module reads of
 a layer is the ``Decoder`` protocol below: those variables, ``context_length`` (the longest
-cache) and ``W_query`` (whose dtype is the cache's default); it knows no layer class.
+cache) and ``cache_dtype`` (the cache's default dtype); it knows no layer class. What a model
+reads of its layers' caches goes through the layers' own methods: ``clear_cache()``,
+``cached_length()`` (the next token's position) and ``cache_capacity()`` (``max_length``).
+
+Every decode loop of the package (``generate`` here, ``flax_attention.models.generate``, the
+Annotated Transformer's ``greedy_decode``) and the benchmarks' loops run one step the same way,
+``decode_step``: the module merged from its weights (loop constants) and its state (the caches,
+RNG counts: what travels), one forward pass with the caches, the last new token's row, and the
+state the step left written back out of the module. ``split_for_decode`` makes the three parts
+from a module before the loop.
 
 Heads first, because the attention reads the cache as it is stored: XLA's CPU dot takes the
 batch axes ``(b, h)`` leading, so a ``(..., max_length, h, d)`` cache was copied into that order
@@ -49,23 +58,59 @@ from flax_attention.axes import (
     place_like_parameters,
 )
 
-__all__ = ["Decoder", "append", "generate", "new_cache", "poison_unless"]
+__all__ = [
+    "Decoder",
+    "append",
+    "decode_step",
+    "generate",
+    "new_cache",
+    "poison_unless",
+    "split_for_decode",
+]
 
 
 @runtime_checkable
 class Decoder(Protocol):
     """A layer with a decode cache: the three variables (``None`` until ``init_cache``),
-    ``init_cache``, and what ``install_cache`` reads: ``context_length`` and the query projection
-    ``W_query`` (an ``nnx.Linear``). ``CausalAttention`` and ``MultiHeadAttention`` are decoders;
-    the wrapper holds one per head."""
+    ``context_length`` (the longest cache), ``cache_dtype`` (the cache's default dtype: the
+    layer's computation dtype), ``init_cache``, and the methods a model asks its layers through
+    (``clear_cache``, ``cached_length``, ``cache_capacity``; ``clear_cache``, ``cached_length``
+    and ``cache_capacity`` below are their bodies). ``CausalAttention`` and
+    ``MultiHeadAttention`` are decoders; the wrapper holds one per head."""
 
     cached_key: nnx.Cache | None
     cached_value: nnx.Cache | None
     cache_index: nnx.Cache | None
     context_length: int
-    W_query: nnx.Linear
+
+    @property
+    def cache_dtype(self): ...
 
     def init_cache(self, batch_size, max_length: int | None = None, dtype=None) -> None: ...
+
+    def clear_cache(self) -> None: ...
+
+    def cached_length(self) -> jax.Array: ...
+
+    def cache_capacity(self) -> int | None: ...
+
+
+def clear_cache(layer: Decoder) -> None:
+    """Drop ``layer``'s decode cache: its three variables back to ``None``, as in a new layer."""
+    layer.cached_key = layer.cached_value = layer.cache_index = None
+
+
+def cached_length(layer: Decoder) -> jax.Array:
+    """How many tokens ``layer``'s cache holds, the position of the next one: an int32 scalar
+    (traced inside ``jit``). No cache raises ``ValueError``."""
+    if layer.cache_index is None:
+        raise ValueError("decode (True) needs a decode cache (call init_cache(batch_size) first)")
+    return layer.cache_index[...]
+
+
+def cache_capacity(layer: Decoder) -> int | None:
+    """The tokens ``layer``'s cache holds at most (its ``max_length``); ``None`` without one."""
+    return None if layer.cached_key is None else layer.cached_key.shape[-2]
 
 
 def new_cache(
@@ -110,16 +155,16 @@ def new_cache(
 def install_cache(
     layer: Decoder, batch_size, max_length, dtype, *, heads: int, head_dim: int
 ) -> None:
-    """``new_cache`` for a ``Decoder`` (``context_length``, ``W_query``, the three declared cache
-    variables): placed on the layer's mesh if its parameters are sharded, then set on it.
-    ``dtype`` defaults to the layer's computation dtype."""
+    """``new_cache`` for a ``Decoder`` (``context_length``, ``cache_dtype``, the three declared
+    cache variables): placed on the layer's mesh if its parameters are sharded, then set on it.
+    ``dtype`` defaults to the layer's ``cache_dtype``."""
     cache = new_cache(
         batch_size,
         max_length,
         context_length=layer.context_length,
         heads=heads,
         head_dim=head_dim,
-        dtype=dtype or layer.W_query.dtype or layer.W_query.param_dtype,
+        dtype=dtype or layer.cache_dtype,
     )
     place_like_parameters(layer, cache)
     layer.cached_key = cache["cached_key"]
@@ -177,23 +222,58 @@ def poison_unless(fits, x):
     return jnp.where(fits, x, jnp.asarray(jnp.nan, x.dtype))
 
 
+def split_for_decode(module: nnx.Module, weights=nnx.Param):
+    """``(graphdef, weights, state)`` of ``module`` for a decode loop: ``weights`` (a filter,
+    parameters by default) are what the loop holds constant, ``state`` (everything else: the
+    caches, RNG counts) what travels through it. What comes back from a ``jit`` is committed to
+    its devices; the state is committed alike (a fresh cache, a fresh RNG count), so the
+    second call with the same shapes does not compile again."""
+    graphdef, weights, state = nnx.split(module, weights, ...)
+    return graphdef, weights, jax.tree.map(_committed, state)
+
+
+def _committed(x):
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+        return place(x, x.sharding)
+    return x
+
+
+def decode_step(graphdef, weights, state, forward, *inputs, head=None, weights_filter=nnx.Param):
+    """One step of a decode loop on a module split by ``split_for_decode``: ``(state, y)``.
+
+    The module is merged from ``graphdef``, ``weights`` and ``state``; ``forward(module,
+    *inputs)`` runs it on the new tokens, ``(..., n, F)`` out, its cached layers appending the
+    tokens' keys and values at their ``cache_index`` and advancing it; ``y`` is the last new
+    token's row ``(..., F)`` (the one the next token comes from), through ``head(module, y)``
+    where one is given (a model's logits: only the last row pays for the head). ``state`` is
+    the module's state as the step left it, everything but ``weights_filter`` (the filter
+    ``weights`` was split with), to pass to the next step or ``nnx.update`` the module with.
+    """
+    module = nnx.merge(graphdef, weights, state)
+    y = forward(module, *inputs)[..., -1, :]  # (..., F)
+    if head is not None:
+        y = head(module, y)
+    return nnx.state(module, nnx.Not(weights_filter)), y
+
+
+def _decode(module, x):
+    """``generate``'s forward: the layer (or any module) on ``x`` with its cache."""
+    return module(x, decode=True)
+
+
 @functools.partial(jax.jit, static_argnums=(0, 4, 5))
 def _generate(graphdef, params, state, prompt, num_steps, next_input):
     """The parameters go in only; the rest (the caches, any RNG state) goes in and comes out.
     Returning the parameters too would copy them on every call and hand back committed arrays
     where the caller's were not, which compiles the function a second time."""
-    module = nnx.merge(graphdef, params, state)
-    y = module(prompt, decode=True)[..., -1:, :]  # (..., 1, d_out)
+    state, first = decode_step(graphdef, params, state, _decode, prompt)  # (..., d_out)
 
-    def step(carry, _):
-        state, y = carry
-        module = nnx.merge(graphdef, params, state)
-        y = module(next_input(y), decode=True)  # (..., 1, d_out)
-        return (nnx.state(module, nnx.Not(nnx.Param)), y), y[..., 0, :]
+    def step(state_y, _):
+        state, y = state_y
+        state, y = decode_step(graphdef, params, state, _decode, next_input(y[..., None, :]))
+        return (state, y), y
 
-    carry = (nnx.state(module, nnx.Not(nnx.Param)), y)
-    (state, _), ys = jax.lax.scan(step, carry, length=num_steps)
-    first = y[..., 0, :]
+    (state, _), ys = jax.lax.scan(step, (state, first), length=num_steps)
     return state, jnp.concatenate([first[None], ys], axis=0)  # (steps + 1, ..., d_out)
 
 
@@ -206,28 +286,25 @@ def generate(module, prompt, num_steps: int, next_input=_identity):
 
     ``module``'s cache must be initialised (``init_cache``); each step feeds
     ``next_input(y)`` (``(..., 1, d_out) -> (..., 1, d_in)``, identity by default, so
-    ``d_in == d_out``) of the previous output ``y``. The loop is a ``lax.scan``: no Python work
-    per token, one compilation per (module structure, prompt shape, ``num_steps``,
-    ``next_input``). The cache state is written back to ``module``.
+    ``d_in == d_out``) of the previous output ``y``. The loop is a ``lax.scan`` of
+    ``decode_step``: no Python work per token, one compilation per (module structure, prompt
+    shape, ``num_steps``, ``next_input``). The cache state is written back to ``module``.
 
     Returns ``(..., num_steps + 1, d_out)``: the prompt's last output, then one per step.
     """
     check_positive_int("num_steps", num_steps)
     layers = [node for _, node in nnx.iter_graph(module) if isinstance(node, Decoder)]
-    if not layers or any(layer.cache_index is None for layer in layers):
+    if not layers or any(layer.cache_capacity() is None for layer in layers):
         raise ValueError("module must have a decode cache (call init_cache(batch_size) first)")
     for layer in layers:
-        index, max_length = int(layer.cache_index[...]), layer.cached_key.shape[-2]
+        index, max_length = int(layer.cached_length()), layer.cache_capacity()
         needed = prompt.shape[-2] + num_steps
         if index + needed > max_length:
             raise ValueError(
                 f"cache_index + prompt tokens + num_steps ({index} + {prompt.shape[-2]} + "
                 f"{num_steps}) must not exceed the cache's max_length ({max_length})"
             )
-    graphdef, params, state = nnx.split(module, nnx.Param, ...)
-    # What comes back from the jit is committed to its devices; commit what goes in alike (a
-    # fresh cache, a fresh RNG count) so the second call does not compile again.
-    state = jax.tree.map(lambda x: place(x, x.sharding) if isinstance(x, jax.Array) else x, state)
+    graphdef, params, state = split_for_decode(module)
     state, ys = _generate(graphdef, params, state, prompt, num_steps, next_input)
     nnx.update(module, state)
     return jnp.moveaxis(ys, 0, -2)  # (..., num_steps + 1, d_out)

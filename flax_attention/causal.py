@@ -211,6 +211,23 @@ class CausalAttention(nnx.Module):
             self, batch_size, max_length, dtype, heads=1, head_dim=self.d_out
         )
 
+    def clear_cache(self) -> None:
+        """Drop the decode cache (back to the state of a new layer)."""
+        decode_cache.clear_cache(self)
+
+    def cached_length(self) -> jax.Array:
+        """Tokens in the decode cache, the next one's position (int32; traced inside jit)."""
+        return decode_cache.cached_length(self)
+
+    def cache_capacity(self) -> int | None:
+        """The decode cache's ``max_length``; ``None`` without a cache."""
+        return decode_cache.cache_capacity(self)
+
+    @property
+    def cache_dtype(self):
+        """The decode cache's default dtype: the layer's computation dtype."""
+        return self.W_query.dtype or self.W_query.param_dtype
+
     def __call__(self, x: jax.Array, *, decode: bool = False) -> jax.Array:
         check_causal_input(x, self.d_in, self.context_length)
         keys = constrain(self.W_key(x)[..., None, :], ONE_HEAD)  # (..., t, 1, d_out)
@@ -280,6 +297,11 @@ class MultiHeadAttentionWrapper(nnx.Module):
         """One decode cache per head (``CausalAttention.init_cache``)."""
         for head in self.heads:
             head.init_cache(batch_size, max_length, dtype)
+
+    def clear_cache(self) -> None:
+        """Drop every head's decode cache."""
+        for head in self.heads:
+            head.clear_cache()
 
     def __call__(self, x: jax.Array, *, decode: bool = False) -> jax.Array:
         outs = [head(x, decode=decode) for head in self.heads]  # each (..., t, d_out)

@@ -218,6 +218,31 @@ def test_a_cache_over_two_batch_axes_and_in_bfloat16():
     assert _max_diff(decoded, full) <= 3e-2
 
 
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_a_layer_answers_for_its_cache_through_its_own_methods(name):
+    """What a model asks of its layers' caches: ``cache_capacity`` (``max_length``),
+    ``cached_length`` (the next position, under jit too), ``cache_dtype`` (``init_cache``'s
+    default: the computation dtype) and ``clear_cache``; the wrapper clears every head."""
+    layer = _layer(name)
+    heads = list(layer.heads) if name == "wrapper" else [layer]
+    assert all(isinstance(head, fa.cache.Decoder) for head in heads)
+    assert all(head.cache_capacity() is None for head in heads)
+    with pytest.raises(ValueError, match=r"^decode \(True\) needs a decode cache"):
+        heads[0].cached_length()
+    layer.init_cache(2, max_length=10)
+    layer(_x(2, 3), decode=True)
+    assert [(head.cache_capacity(), int(head.cached_length())) for head in heads] == [
+        (10, 3)
+    ] * len(heads)
+    assert int(nnx.jit(lambda head: head.cached_length())(heads[0])) == 3
+    layer.clear_cache()
+    assert all(head.cached_key is None and head.cache_capacity() is None for head in heads)
+    cls, args = LAYERS[name]
+    bf16 = cls(*args, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    one = bf16.heads[0] if name == "wrapper" else bf16
+    assert (heads[0].cache_dtype, one.cache_dtype) == (jnp.float32, jnp.bfloat16)
+
+
 @pytest.mark.parametrize("name", ["mha", "wrapper"])
 def test_generate_equals_the_full_pass_over_its_own_outputs(name):
     """``generate`` feeds each output back; the full pass over [prompt, y_0, y_1, ...] must give

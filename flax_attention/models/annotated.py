@@ -75,6 +75,7 @@ from flax_attention.axes import (
     lookup_sharding,
     out_sharding_like,
 )
+from flax_attention.cache import decode_step, split_for_decode
 from flax_attention.core import Implementation
 from flax_attention.layouts import ModelNames
 from flax_attention.weights import CheckedBuffer
@@ -249,7 +250,11 @@ class EncoderLayer(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    """``self_attn``, ``src_attn`` (on the encoder's ``memory``), ``feed_forward``."""
+    """``self_attn``, ``src_attn`` (on the encoder's ``memory``), ``feed_forward``.
+
+    ``greedy_decode`` gives it a decode cache (``init_cache``): ``self_keys``, ``self_values``
+    ``(b, max_len, h, d)``, the self-attention's projected keys and values of every step so far
+    (``None`` outside a decode)."""
 
     def __init__(self, size: int, self_attn, src_attn, feed_forward, dropout, *, norm, rngs):
         self.size = size
@@ -259,6 +264,8 @@ class DecoderLayer(nnx.Module):
         self.sublayer = nnx.List(
             [SublayerConnection(size, dropout, **norm, rngs=rngs) for _ in range(3)]
         )
+        self.self_keys: nnx.Cache | None = nnx.data(None)
+        self.self_values: nnx.Cache | None = nnx.data(None)
 
     def __call__(self, x, memory, src_mask, tgt_mask):
         m = memory
@@ -266,10 +273,23 @@ class DecoderLayer(nnx.Module):
         x = self.sublayer[1](x, lambda x: self.src_attn(x, m, m, src_mask))
         return self.sublayer[2](x, self.feed_forward)
 
-    def step(self, x, kv_self: ProjectedKV, self_mask, kv_memory: ProjectedKV, src_mask):
-        """One decode step, ``x`` ``(b, 1, d)``: the self-attention reads ``kv_self`` (the
-        cache, every step so far written) and the source attention ``kv_memory`` (the memory,
-        projected once)."""
+    def init_cache(self, like, max_len: int) -> None:
+        """An empty decode cache of ``max_len`` steps, laid out as ``like`` ``(b, 1, h, d)`` (a
+        projection's zeros: on a mesh, the batch over data and the heads over model)."""
+        empty = jnp.broadcast_to(like, (like.shape[0], max_len, *like.shape[2:]))
+        self.self_keys, self.self_values = nnx.Cache(empty), nnx.Cache(empty)
+
+    def step(self, x, position, kv_memory: ProjectedKV, src_mask):
+        """One decode step, ``x`` ``(b, 1, d)`` at ``position`` (a traced int): its keys and
+        values written into the cache at ``position``, the self-attention reading the cache's
+        steps up to it and the source attention ``kv_memory`` (the memory, projected once)."""
+        norm_x = self.sublayer[0].norm(x)
+        new = self.self_attn.project_kv(norm_x, norm_x)  # (b, 1, h, d) each
+        keys = jax.lax.dynamic_update_slice_in_dim(self.self_keys[...], new.keys, position, 1)
+        values = jax.lax.dynamic_update_slice_in_dim(self.self_values[...], new.values, position, 1)
+        self.self_keys[...], self.self_values[...] = keys, values  # (b, max_len, h, d)
+        kv_self = ProjectedKV(keys, values)
+        self_mask = (jnp.arange(keys.shape[1]) <= position)[None, None, :]  # (1, 1, max_len)
         x = self.sublayer[0](x, lambda x: self.self_attn(x, mask=self_mask, kv=kv_self))
         x = self.sublayer[1](x, lambda x: self.src_attn(x, mask=src_mask, kv=kv_memory))
         return self.sublayer[2](x, self.feed_forward)
@@ -640,42 +660,60 @@ def greedy_decode(model: EncoderDecoder, src, src_mask, max_len: int, start_symb
     modes = [dropout.deterministic for dropout in dropouts]
     model.eval()
     try:
-        return _greedy_decode(model, src, jnp.asarray(src_mask), max_len, start_symbol)
+        graphdef, weights, state = split_for_decode(model, _CONSTANT)
+        return _greedy_decode(
+            graphdef,
+            weights,
+            state,
+            src,
+            jnp.asarray(src_mask),
+            max_len=max_len,
+            start_symbol=start_symbol,
+        )
     finally:
         for dropout, deterministic in zip(dropouts, modes):
             dropout.deterministic = deterministic
 
 
-@functools.partial(nnx.jit, static_argnums=(3, 4))
-def _greedy_decode(model, src, src_mask, max_len, start_symbol):
-    batch = src.shape[0]
+#: What ``greedy_decode``'s loop holds constant: everything but the decode caches.
+_CONSTANT = nnx.Not(nnx.Cache)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_len", "start_symbol"))
+def _greedy_decode(graphdef, weights, state, src, src_mask, *, max_len, start_symbol):
+    """The encoder once, each source attention's keys and values projected once, the decoder
+    layers given caches laid out as those projections; then ``max_len - 1`` ``decode_step``s."""
+    model = nnx.merge(graphdef, weights, state)
     memory = model.encode(src, src_mask)  # (b, s, d)
-    layers = model.decoder.layers
-    kv_memory = [layer.src_attn.project_kv(memory, memory) for layer in layers]
-    # Laid out as the projections are (on a mesh: batch over data, heads over model).
-    one = jnp.zeros_like(kv_memory[0].keys[:, :1])  # (b, 1, h, d)
-    empty = jnp.broadcast_to(one, (batch, max_len, *one.shape[2:]))  # (b, max_len, h, d)
-    caches = [(empty, empty) for _ in layers]
-    ys = jnp.broadcast_to(jnp.full_like(src[:, :1], start_symbol, jnp.int32), (batch, max_len))
-    slots = jnp.arange(max_len)
+    kv_memory = [layer.src_attn.project_kv(memory, memory) for layer in model.decoder.layers]
+    for layer, kv in zip(model.decoder.layers, kv_memory):
+        layer.init_cache(jnp.zeros_like(kv.keys[:, :1]), max_len)  # (b, max_len, h, d)
+    graphdef, weights, state = nnx.split(model, _CONSTANT, ...)
+    step = functools.partial(
+        decode_step, graphdef, weights, head=_log_probs, weights_filter=_CONSTANT
+    )
+    ys = jnp.full_like(src[:, :1], start_symbol, jnp.int32)  # (b, 1)
+    ys = jnp.broadcast_to(ys, (src.shape[0], max_len))  # (b, max_len)
 
-    def step(i, carry):
-        ys, caches = carry
+    def body(i, carry):
+        state, ys = carry
         word = jax.lax.dynamic_slice_in_dim(ys, i, 1, axis=1)  # (b, 1)
-        x = model.tgt_embed[1].at(model.tgt_embed[0](word), i)  # (b, 1, d)
-        self_mask = (slots <= i)[None, None, :]  # (1, 1, max_len): the steps so far
-        written = []
-        for layer, (keys, values), kv in zip(layers, caches, kv_memory):
-            norm_x = layer.sublayer[0].norm(x)
-            new = layer.self_attn.project_kv(norm_x, norm_x)  # (b, 1, h, d) each
-            keys = jax.lax.dynamic_update_slice_in_dim(keys, new.keys, i, axis=1)
-            values = jax.lax.dynamic_update_slice_in_dim(values, new.values, i, axis=1)
-            x = layer.step(x, ProjectedKV(keys, values), self_mask, kv, src_mask)
-            written.append((keys, values))
-        prob = model.generator(model.decoder.norm(x)[:, 0])  # (b, V)
+        state, prob = step(state, _decode_token, word, i, kv_memory, src_mask)  # (b, V)
         next_word = jnp.argmax(prob, axis=-1).astype(jnp.int32)  # (b,)
-        ys = jax.lax.dynamic_update_slice_in_dim(ys, next_word[:, None], i + 1, axis=1)
-        return ys, written
+        return state, jax.lax.dynamic_update_slice_in_dim(ys, next_word[:, None], i + 1, axis=1)
 
-    ys, _ = jax.lax.fori_loop(0, max_len - 1, step, (ys, caches))
-    return ys
+    return jax.lax.fori_loop(0, max_len - 1, body, (state, ys))[1]
+
+
+def _decode_token(model, word, position, kv_memory, src_mask):
+    """``greedy_decode``'s forward: ``word`` ``(b, 1)`` at ``position`` through the embedding
+    and every decoder layer's ``step`` -> the decoder's norm ``(b, 1, d)``."""
+    x = model.tgt_embed[1].at(model.tgt_embed[0](word), position)  # (b, 1, d)
+    for layer, kv in zip(model.decoder.layers, kv_memory):
+        x = layer.step(x, position, kv, src_mask)
+    return model.decoder.norm(x)
+
+
+def _log_probs(model, x):
+    """``greedy_decode``'s head: the generator's log-probabilities ``(b, V)``."""
+    return model.generator(x)

@@ -42,6 +42,7 @@ dropped at the end.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -52,10 +53,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 from flax_attention._checks import check_int, check_real
 from flax_attention._inputs import check_token_ids, check_zero_one
 from flax_attention.axes import DATA, mesh_axis_size, parameters_mesh, place
+from flax_attention.cache import decode_step, split_for_decode
 from flax_attention.models.gpt import GPTModel, describe_head, head_outputs
 from flax_attention.models.quantized import Int8Weight, WeightScale
 
-__all__ = ["PROMPT_BUCKET", "generate", "generate_text_simple"]
+__all__ = ["PROMPT_BUCKET", "generate", "generate_text_simple", "next_token"]
 
 #: What a decode loop holds constant: the parameters, and a quantized model's int8 weights and
 #: scales (``models.quantize``); the rest (the caches) travels through the loop.
@@ -105,6 +107,47 @@ def generate(
     Returns:
       ``(b, t + n)`` int32: ``idx`` then the ``n <= max_new_tokens`` new tokens.
     """
+    plan, ids, mask, draw = _check_arguments(
+        model, idx, max_new_tokens, context_size, temperature, top_k, eos_id, key, attention_mask
+    )
+    check_int("prompt_bucket", prompt_bucket, 1)
+    if max_new_tokens == 0:
+        return jnp.asarray(ids)
+    # The book's first window is the prompt's last context_size tokens, and no later window
+    # reaches further back: the tokens before it only come back in the result.
+    crop = max(0, ids.shape[1] - context_size)
+    head, ids = ids[:, :crop], ids[:, crop:]
+    mask = None if mask is None else mask[:, crop:]
+    length = _bucket_length(ids.shape[1], prompt_bucket, context_size - max_new_tokens + 1)
+    pad = length - ids.shape[1]
+    ids, mask = _bucket(ids, mask, pad)
+    # Steps whose window is the whole sequence (tokens + step <= context_size) use the cache.
+    plan = plan._replace(cached_steps=min(max_new_tokens, max(0, context_size - length + 1)))
+    rows = _rows_sharding(model, ids.shape[0], cached=plan.cached_steps > 0)
+    out, length = _run(model, plan, _on(ids, rows), None if mask is None else _on(mask, rows), draw)
+    # Back to the caller's prompt: the bucket's padding off, the cropped head on.
+    out = out[:, pad : int(length)]
+    return jnp.concatenate([_on(head, rows), out], axis=1) if crop else out
+
+
+class _Plan(NamedTuple):
+    """What one compiled ``_generate`` program is for (static: a new value compiles anew);
+    ``temperature`` and ``key`` go in as arrays, so they do not."""
+
+    max_new_tokens: int
+    context_size: int
+    greedy: bool
+    top_k: int | None
+    eos_id: int | None
+    cached_steps: int = 0  # steps through the decode cache; the rest on the cropped window
+
+
+def _check_arguments(
+    model, idx, max_new_tokens, context_size, temperature, top_k, eos_id, key, attention_mask
+):
+    """``generate``'s arguments checked: ``(plan, ids, mask, (key, temperature))``, ``ids`` and
+    ``mask`` NumPy ``(b, t)`` int32 (``mask`` ``None`` if none was given), ``key`` a typed key
+    and ``temperature`` a float32 array (1 when greedy), so neither compiles a new program."""
     if not isinstance(model, GPTModel):
         raise TypeError(f"model ({type(model).__name__}) must be a GPTModel")
     cfg = model.cfg
@@ -116,7 +159,6 @@ def generate(
             "head (chapter 6) scores classes, not next tokens"
         )
     ids = _check_idx(idx, cfg["vocab_size"])
-    batch, tokens = ids.shape
     check_int("max_new_tokens", max_new_tokens, 0)
     check_int("context_size", context_size, 1)
     if context_size > cfg["context_length"]:
@@ -124,77 +166,54 @@ def generate(
             f"context_size ({context_size}) must not exceed the model's context_length "
             f"({cfg['context_length']})"
         )
-    check_real("temperature", temperature, 0, why="0: greedy")
-    if top_k is not None:
-        check_int("top_k", top_k, 1)
-        if top_k > cfg["vocab_size"]:
-            raise ValueError(f"top_k ({top_k}) must be in 1..vocab_size ({cfg['vocab_size']})")
-    if eos_id is not None:
-        check_int("eos_id", eos_id, 0)
-        if eos_id >= cfg["vocab_size"]:
-            raise ValueError(f"eos_id ({eos_id}) must be below vocab_size ({cfg['vocab_size']})")
-        if batch != 1:
-            raise ValueError(
-                f"eos_id ({eos_id}) needs a batch of one row (idx has {batch}): the book stops "
-                "the whole sequence when the next token is eos_id"
-            )
-    check_int("prompt_bucket", prompt_bucket, 1)
+    _check_sampling(temperature, top_k, cfg["vocab_size"])
+    _check_eos(eos_id, cfg["vocab_size"], ids.shape[0])
     greedy = temperature == 0
     if not greedy and key is None:
         raise ValueError("key (None) must be a jax.random.key when sampling (temperature > 0)")
     key = jax.random.key(0) if key is None else _check_key(key)
     mask = None if attention_mask is None else _check_mask(attention_mask, ids.shape)
-    if max_new_tokens == 0:
-        return jnp.asarray(ids)
+    plan = _Plan(max_new_tokens, context_size, greedy, top_k, eos_id)
+    return plan, ids, mask, (key, jnp.float32(1.0 if greedy else temperature))
 
-    # The book's first window is the prompt's last context_size tokens, and no later window
-    # reaches further back: the tokens before it only come back in the result.
-    crop = max(0, tokens - context_size)
-    head, ids = ids[:, :crop], ids[:, crop:]
-    mask = None if mask is None else mask[:, crop:]
-    length = _bucket_length(ids.shape[1], prompt_bucket, context_size - max_new_tokens + 1)
-    pad = length - ids.shape[1]
-    ids, mask = _bucket(ids, mask, pad)
-    tokens = length
 
-    # Steps whose window is the whole sequence (tokens + step <= context_size) use the cache.
-    cached_steps = min(max_new_tokens, max(0, context_size - tokens + 1))
-    cache_length = tokens + cached_steps - 1
-    rows = _rows_sharding(model, batch, cached=cached_steps > 0)
+def _check_sampling(temperature, top_k, vocab_size: int) -> None:
+    check_real("temperature", temperature, 0, why="0: greedy")
+    if top_k is not None:
+        check_int("top_k", top_k, 1)
+        if top_k > vocab_size:
+            raise ValueError(f"top_k ({top_k}) must be in 1..vocab_size ({vocab_size})")
+
+
+def _check_eos(eos_id, vocab_size: int, batch: int) -> None:
+    if eos_id is None:
+        return
+    check_int("eos_id", eos_id, 0)
+    if eos_id >= vocab_size:
+        raise ValueError(f"eos_id ({eos_id}) must be below vocab_size ({vocab_size})")
+    if batch != 1:
+        raise ValueError(
+            f"eos_id ({eos_id}) needs a batch of one row (idx has {batch}): the book stops "
+            "the whole sequence when the next token is eos_id"
+        )
+
+
+def _run(model, plan: _Plan, ids, mask, draw):
+    """``_generate`` on ``model`` in eval mode, with decode caches as long as the cached steps
+    need; the model's dropout modes are put back and the caches dropped afterwards."""
+    batch, tokens = ids.shape
     dropouts = [node for _, node in nnx.iter_graph(model) if isinstance(node, nnx.Dropout)]
     modes = [dropout.deterministic for dropout in dropouts]
     model.eval()
     try:
-        if cached_steps:
-            model.init_cache(batch, cache_length)
-        graphdef, params, state = nnx.split(model, _WEIGHTS, ...)
-        # What comes back from a jit is committed; commit what goes in alike, so the next call
-        # with the same shapes does not compile again.
-        state = jax.tree.map(
-            lambda x: place(x, x.sharding) if isinstance(x, jax.Array) else x, state
-        )
-        out, length = _generate(
-            graphdef,
-            params,
-            state,
-            _on(ids, rows),
-            None if mask is None else _on(mask, rows),
-            key,
-            jnp.float32(1.0 if greedy else temperature),
-            max_new_tokens=max_new_tokens,
-            cached_steps=cached_steps,
-            context_size=context_size,
-            greedy=greedy,
-            top_k=top_k,
-            eos_id=eos_id,
-        )
+        if plan.cached_steps:
+            model.init_cache(batch, tokens + plan.cached_steps - 1)
+        graphdef, weights, state = split_for_decode(model, _WEIGHTS)
+        return _generate(graphdef, weights, state, ids, mask, *draw, plan=plan)
     finally:
         model.clear_cache()
         for dropout, deterministic in zip(dropouts, modes):
             dropout.deterministic = deterministic
-    # Back to the caller's prompt: the bucket's padding off, the cropped head on.
-    out = out[:, pad : int(length)]
-    return jnp.concatenate([_on(head, rows), out], axis=1) if crop else out
 
 
 def _bucket_length(tokens: int, bucket: int, cached_room: int) -> int:
@@ -290,8 +309,12 @@ def _check_mask(attention_mask, shape) -> np.ndarray:
     return mask
 
 
-def _next_token(logits, key, temperature, *, greedy: bool, top_k: int | None):
-    """The book's choice: ``logits`` ``(b, V)`` -> ids ``(b,)``."""
+def next_token(logits, key, temperature, *, greedy: bool, top_k: int | None = None):
+    """The book's choice of the next token, as ``generate`` makes it: ``logits`` ``(b, V)`` ->
+    ids ``(b,)`` int32. ``top_k`` keeps the ``top_k`` largest logits (the others become
+    ``-inf``); then ``greedy`` takes the first largest (``jnp.argmax``'s index, ties, NaN and
+    infinities included), else a draw from ``softmax(logits / temperature)`` with ``key``
+    (``key`` and ``temperature`` are not read when ``greedy``)."""
     logits = logits.astype(jnp.float32)
     if top_k is not None:
         min_val = jax.lax.top_k(logits, top_k)[0][:, -1:]  # (b, 1)
@@ -315,98 +338,99 @@ def _argmax(logits):
     return jnp.min(jnp.where(hit, index, logits.shape[-1]), axis=-1)
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=(
-        "graphdef",
-        "max_new_tokens",
-        "cached_steps",
-        "context_size",
-        "greedy",
-        "top_k",
-        "eos_id",
-    ),
-)
-def _generate(
-    graphdef,
-    params,
-    state,
-    ids,
-    mask,
-    key,
-    temperature,
-    *,
-    max_new_tokens,
-    cached_steps,
-    context_size,
-    greedy,
-    top_k,
-    eos_id,
-):
+@functools.partial(jax.jit, static_argnames=("graphdef", "plan"))
+def _generate(graphdef, weights, state, ids, mask, key, temperature, *, plan: _Plan):
     """``(tokens (b, t + max_new_tokens), length)``: the first ``length`` columns are the
-    result. ``cached_steps`` steps through the decode cache, the rest on the cropped window."""
-    batch, prompt = ids.shape
+    result. ``plan.cached_steps`` steps through the decode cache, the rest on the cropped
+    window; each step is ``decode_step``, the logits of the last token."""
+    new = plan.max_new_tokens
     # Padded, not written into new arrays, so they keep the rows' sharding on a mesh.
-    tokens = jnp.pad(ids, ((0, 0), (0, max_new_tokens)))  # (b, T)
+    tokens = jnp.pad(ids, ((0, 0), (0, new)))  # (b, T)
     # The mask over every token slot: the prompt's, then ones for the new tokens.
-    token_mask = (
-        None if mask is None else jnp.pad(mask, ((0, 0), (0, max_new_tokens)), constant_values=1)
-    )
+    token_mask = None if mask is None else jnp.pad(mask, ((0, 0), (0, new)), constant_values=1)
 
     def choose(logits, step):
-        return _next_token(
-            logits, jax.random.fold_in(key, step), temperature, greedy=greedy, top_k=top_k
+        key_step = jax.random.fold_in(key, step)
+        return next_token(logits, key_step, temperature, greedy=plan.greedy, top_k=plan.top_k)
+
+    step = functools.partial(decode_step, graphdef, weights, head=_logits, weights_filter=_WEIGHTS)
+    loop = (state, jnp.int32(0), _Tokens(tokens, jnp.int32(ids.shape[1]), jnp.bool_(False)))
+    if plan.cached_steps:
+        loop = _cached_loop(step, choose, plan, loop, ids, token_mask)
+    if plan.cached_steps < new:
+        loop = _windowed_loop(step, choose, plan, loop, token_mask)
+    _, _, written = loop
+    return written.tokens, written.length
+
+
+class _Tokens(NamedTuple):
+    """The sequence so far in a decode loop's carry: ``tokens`` ``(b, T)``, of which the first
+    ``length`` are written; ``done`` once ``eos_id`` came."""
+
+    tokens: jax.Array
+    length: jax.Array
+    done: jax.Array
+
+
+def _append(written: _Tokens, new, eos_id) -> _Tokens:
+    """``new`` ``(b,)`` written at ``length``, unless ``done`` or it is ``eos_id``."""
+    tokens, length, done = written
+    if eos_id is not None:
+        done = done | (new[0] == eos_id)
+    appended = jax.lax.dynamic_update_slice(tokens, new[:, None], (0, length))
+    tokens = jnp.where(done, tokens, appended)
+    return _Tokens(tokens, jnp.where(done, length, length + 1), done)
+
+
+def _hidden(model, ids, attention_mask, decode):
+    """A decode loop's forward: ``hidden_states`` ``(b, t, d)``."""
+    return model.hidden_states(ids, decode=decode, attention_mask=attention_mask)
+
+
+def _logits(model, hidden):
+    """A decode loop's head: the last token's logits ``(b, V)``."""
+    return model.logits(hidden)
+
+
+def _cached_loop(step, choose, plan: _Plan, loop, ids, token_mask):
+    """The prompt through the decode caches (prefill), then one token per step through them,
+    while the whole sequence fits ``context_size``: ``(state, step, written)`` after."""
+    prompt = ids.shape[1]
+    cache_mask = None if token_mask is None else token_mask[:, : prompt + plan.cached_steps - 1]
+    state, _, written = loop
+    state, logits = step(state, _hidden, ids, cache_mask, True)
+    written = _append(written, choose(logits, 0), plan.eos_id)
+
+    def cached(loop):
+        state, i, written = loop
+        last = jax.lax.dynamic_slice_in_dim(written.tokens, written.length - 1, 1, axis=1)
+        state, logits = step(state, _hidden, last, cache_mask, True)  # last: (b, 1)
+        return state, i + 1, _append(written, choose(logits, i), plan.eos_id)
+
+    def going(loop):
+        return (loop[1] < plan.cached_steps) & ~loop[2].done
+
+    return jax.lax.while_loop(going, cached, (state, jnp.int32(1), written))
+
+
+def _windowed_loop(step, choose, plan: _Plan, loop, token_mask):
+    """The steps after the sequence outgrew ``context_size``: the last ``context_size`` tokens
+    run through the model again each step, as the book's loop (no cache)."""
+
+    def windowed(loop):
+        state, i, written = loop
+        start = written.length - context_size
+        window = jax.lax.dynamic_slice_in_dim(written.tokens, start, context_size, axis=1)
+        window_mask = (
+            None
+            if token_mask is None
+            else jax.lax.dynamic_slice_in_dim(token_mask, start, context_size, axis=1)
         )
+        state, logits = step(state, _hidden, window, window_mask, False)  # window: (b, c)
+        return state, i + 1, _append(written, choose(logits, i), plan.eos_id)
 
-    def append(carry, new):  # carry: (tokens, length, done)
-        tokens, length, done = carry
-        if eos_id is not None:
-            done = done | (new[0] == eos_id)
-        written = jax.lax.dynamic_update_slice(tokens, new[:, None], (0, length))
-        tokens = jnp.where(done, tokens, written)
-        return tokens, jnp.where(done, length, length + 1), done
+    def going(loop):
+        return (loop[1] < plan.max_new_tokens) & ~loop[2].done
 
-    carry = (tokens, jnp.int32(prompt), jnp.bool_(False))
-    step = jnp.int32(0)
-    if cached_steps:
-        cache_mask = None if mask is None else token_mask[:, : prompt + cached_steps - 1]
-        model = nnx.merge(graphdef, params, state)
-        hidden = model.hidden_states(ids, decode=True, attention_mask=cache_mask)  # (b, t, d)
-        carry = append(carry, choose(model.logits(hidden[:, -1]), 0))
-        state = nnx.state(model, nnx.Not(_WEIGHTS))
-
-        def cached(loop):
-            state, step, carry = loop
-            tokens, length, _ = carry
-            model = nnx.merge(graphdef, params, state)
-            last = jax.lax.dynamic_slice_in_dim(tokens, length - 1, 1, axis=1)  # (b, 1)
-            hidden = model.hidden_states(last, decode=True, attention_mask=cache_mask)
-            carry = append(carry, choose(model.logits(hidden[:, 0]), step))
-            return nnx.state(model, nnx.Not(_WEIGHTS)), step + 1, carry
-
-        start = (state, jnp.int32(1), carry)
-        _, step, carry = jax.lax.while_loop(
-            lambda loop: (loop[1] < cached_steps) & ~loop[2][2], cached, start
-        )
-
-    if cached_steps < max_new_tokens:
-        model = nnx.merge(graphdef, params, state)
-
-        def windowed(loop):
-            step, carry = loop
-            tokens, length, _ = carry
-            start = length - context_size
-            window = jax.lax.dynamic_slice_in_dim(tokens, start, context_size, axis=1)
-            window_mask = (
-                None
-                if token_mask is None
-                else jax.lax.dynamic_slice_in_dim(token_mask, start, context_size, axis=1)
-            )
-            hidden = model.hidden_states(window, attention_mask=window_mask)  # (b, c, d)
-            return step + 1, append(carry, choose(model.logits(hidden[:, -1]), step))
-
-        _, carry = jax.lax.while_loop(
-            lambda loop: (loop[0] < max_new_tokens) & ~loop[1][2], windowed, (step, carry)
-        )
-    tokens, length, _ = carry
-    return tokens, length
+    context_size = plan.context_size
+    return jax.lax.while_loop(going, windowed, loop)

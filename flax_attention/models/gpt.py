@@ -345,7 +345,7 @@ class GPTModel(nnx.Module):
     def clear_cache(self) -> None:
         """Drop the decode caches (back to the state of a new model)."""
         for block in self.trf_blocks:
-            block.att.cached_key = block.att.cached_value = block.att.cache_index = None
+            block.att.clear_cache()
 
     # ---- the forward pass ------------------------------------------------------------------------
 
@@ -358,7 +358,7 @@ class GPTModel(nnx.Module):
             )
         check_model_inputs(in_idx, attention_mask, self.cfg["vocab_size"])
         seq_len = in_idx.shape[-1]
-        offset = self.trf_blocks[0].att.cache_index[...] if decode else 0
+        offset = self.trf_blocks[0].att.cached_length() if decode else 0
         if attention_mask is None:
             positions = (offset + jnp.arange(seq_len))[None]  # (1, t)
             key_mask = None
@@ -376,7 +376,7 @@ class GPTModel(nnx.Module):
         """Positions ``(b, t)`` counted from each row's first token (transformers'
         ``cumsum(mask) - 1``, padding at 0) and the key mask ``(b, 1, 1, s)``."""
         batch, seq_len = in_idx.shape
-        slots = self.trf_blocks[0].att.cached_key.shape[-2] if decode else seq_len
+        slots = self.trf_blocks[0].att.cache_capacity() if decode else seq_len
         if attention_mask.shape != (batch, slots):
             where = "the cache's max_length" if decode else "in_idx's tokens"
             raise ValueError(
