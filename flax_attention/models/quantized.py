@@ -29,6 +29,7 @@ import numpy as np
 from flax import nnx
 
 from flax_attention._init import narrow_product_ok
+from flax_attention.layouts import Names, register
 
 __all__ = ["SCHEMES", "Int8Embed", "Int8Linear", "Int8Weight", "WeightScale", "quantize"]
 
@@ -129,6 +130,11 @@ class Int8Embed(nnx.Module):
 
     def attend(self, x):
         return _product(x, self.embedding[...], self.scale[...], True, x.dtype)
+
+
+# The bridge exports each int8 weight times its scales (the float weight it stands for).
+register(Int8Linear, Names(dequantized=(("kernel", "scale"),)))
+register(Int8Embed, Names(dequantized=(("embedding", "scale"),)))
 
 
 def _replace_linears(node) -> None:
