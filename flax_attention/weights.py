@@ -25,11 +25,15 @@ modules"). Other peers' names (``layout="torch_nn"``, ``"gpt2"``, ``"fused_qkv"`
 descriptions there too: each of their keys is a concatenation of the documents' keys (q, k, v
 stacked), stored transposed or not. Every layout goes through the same checks below, so a key's
 problems read the same whatever the layout; ``prefix`` picks one layer's keys out of a model's.
+Safetensors files are opened in one place, ``open_safetensors`` (``load_file`` and
+``models.checkpoints``' sharded directories), their tensors read only when checked and placed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import jax
@@ -728,6 +732,26 @@ class FileTensor:
         return self._handle.get_slice(self._key)[index]
 
 
+@contextlib.contextmanager
+def open_safetensors(paths, prefix: str = "") -> Iterator[dict[str, FileTensor]]:
+    """The tensors of the safetensors files ``paths`` (one file, or a checkpoint's shards) whose
+    keys start with ``prefix``, as ``FileTensor`` s read only when asked (nothing is read here
+    but the headers; nothing is unpickled); the files stay open inside the ``with`` block. A
+    file that cannot be opened (missing, a header that is not JSON or claims more data than the
+    file holds) raises ``safetensors.SafetensorError`` or ``OSError``, every file opened so far
+    closed again."""
+    from safetensors import safe_open
+
+    with contextlib.ExitStack() as stack:
+        tensors = {}
+        for path in paths:
+            handle = stack.enter_context(safe_open(os.fspath(path), framework="numpy"))
+            for key in handle.keys():  # noqa: SIM118 - a safe_open handle is not a mapping
+                if key.startswith(prefix):  # another layer's keys are not even read
+                    tensors[key] = FileTensor(handle, key)
+        yield tensors
+
+
 def load_file(
     module: nnx.Module,
     path: str | os.PathLike,
@@ -745,21 +769,17 @@ def load_file(
     Tensors are read one at a time to be checked, then, once all pass, again by the slices that
     this process's devices hold (``get_slice``): loading into a module placed on a mesh spread
     over processes holds only each process's own slices."""
-    from safetensors import SafetensorError, safe_open
+    from safetensors import SafetensorError
 
     spec = _layout(module, layout)  # a bad layout or prefix before the file is read
     _check_prefix(prefix)
     name = os.fspath(path)
-    try:
-        opened = safe_open(name, framework="numpy")
-    except (SafetensorError, OSError, ValueError) as error:
-        raise ValueError(f"path ({name!r}) must be a readable safetensors file: {error}") from error
-    with opened as file:
-        tensors = {
-            key: FileTensor(file, key)
-            for key in file.keys()  # noqa: SIM118 - a safe_open handle is not a mapping
-            if key.startswith(prefix)  # another layer's keys are not even read
-        }
+    with contextlib.ExitStack() as stack:
+        try:
+            tensors = stack.enter_context(open_safetensors([name], prefix))
+        except (SafetensorError, OSError, ValueError) as error:
+            message = f"path ({name!r}) must be a readable safetensors file: {error}"
+            raise ValueError(message) from error
         try:
             return load_state_dict(module, tensors, strict=strict, layout=spec.name, prefix=prefix)
         except ValueError as error:
