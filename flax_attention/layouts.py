@@ -24,24 +24,80 @@ layout          peer                                   keys
 ``fused_qkv``   the book's combined-QKV variant,       ``qkv.weight`` ``(3·d_out, d_in)``,
                 nanoGPT-style code                     ``qkv.bias``, ``proj.weight``/``.bias``
 ==============  =====================================  ==========================================
+
+Which class takes which layout, and under which names, is one registry (``register``, ``Names``),
+looked up by class (a registered class's subclasses inherit its entry):
+
+==================================  =============================================================
+class                               its ``Names``
+==================================  =============================================================
+``SelfAttention_v1``, ``_v2``,      ``documents`` only (the graph's own names)
+``MultiHeadAttentionWrapper``
+``CausalAttention``                 ``documents``; buffer ``mask`` (``triu``, of ``context_length``)
+``MultiHeadAttention``              every layout; roles ``W_query``, ``W_key``, ``W_value``,
+                                    ``out_proj``; buffer ``mask``
+``MultiHeadedAttention``            ``documents``, ``torch_nn``, ``fused_qkv``; roles
+                                    ``proj_weights.0`` .. ``.3``
+``models.GPTModel``                 ``documents`` (a tied head's ``out_head.weight``), ``gpt2``
+                                    (``GPT2LMHeadModel``'s names: ``gpt_model_names``)
+``models.annotated.EncoderDecoder`` ``documents`` under the post's names (``linears.{i}``:
+                                    ``encoder_decoder_names``)
+``models.lora.LinearWithLoRA``,     ``documents`` only (the book's appendix E names)
+``LoRALayer``
+``models.quantized.Int8Linear``,    ``documents``; ``kernel``/``embedding`` held as int8, exported
+``Int8Embed``                       times ``scale`` (``dequantized``)
+==================================  =============================================================
+
+The layers are registered here; each model is registered by one line where it is defined (the
+models import this package, not the converse). Inside any module the bridge names nnx's variables
+as torch does (``TORCH_VARIABLES``: a ``kernel`` is the transpose of ``nn.Linear``'s ``weight``,
+an ``embedding`` ``nn.Embedding``'s ``weight``); every other variable keeps its path.
+
+Your own class
+--------------
+A module of your own (a block, a model around the layers here) is refused by the bridge until it
+is registered; then its state dict is its graph's variables under their paths, as above, its
+registered layers' buffers included::
+
+    from flax_attention import layouts
+
+    class Block(nnx.Module):  # a MultiHeadAttention and a Linear
+        ...
+
+    layouts.register(Block, layouts.Names())  # the documents' names: att.W_query.weight, ...
+
+``Names(layouts=(...), roles={...})`` lets an attention layer of your own take the peers'
+layouts (its q, k, v, o projections' own names); ``Names(model=fn)`` gives a model other names,
+``fn(model, layout) -> ModelNames`` (as ``gpt_model_names``), and ``buffers`` declares buffers
+its torch counterpart carries that are not Flax state.
 """
 
 from __future__ import annotations
 
-from typing import Literal, NamedTuple
+from collections.abc import Callable, Mapping
+from typing import Any, Literal, NamedTuple
 
-__all__ = ["LAYOUTS", "ROLES", "Buffer", "Key", "Layout", "ModelNames"]
+import numpy as np
 
-#: The documents' keys that play each role, per layer class (``documents`` takes every layer).
-ROLES: dict[str, dict[str, str]] = {
-    "MultiHeadAttention": {"q": "W_query", "k": "W_key", "v": "W_value", "o": "out_proj"},
-    "MultiHeadedAttention": {
-        "q": "proj_weights.0",
-        "k": "proj_weights.1",
-        "v": "proj_weights.2",
-        "o": "proj_weights.3",
-    },
-}
+from flax_attention.annotated import MultiHeadedAttention
+from flax_attention.causal import CausalAttention, MultiHeadAttentionWrapper, documents_mask
+from flax_attention.multihead import MultiHeadAttention
+from flax_attention.self_attention import SelfAttention_v1, SelfAttention_v2
+
+__all__ = [
+    "LAYOUTS",
+    "TORCH_VARIABLES",
+    "Buffer",
+    "Key",
+    "Layout",
+    "ModelNames",
+    "Names",
+    "encoder_decoder_names",
+    "gpt_model_names",
+    "layers_taking",
+    "names_of",
+    "register",
+]
 
 
 class Key(NamedTuple):
@@ -69,8 +125,8 @@ class Buffer(NamedTuple):
     ``"tril"`` old GPT-2 checkpoints' ``bias``, ``tril(ones(n, n)).view(1, 1, n, n)`` (bool or
     uint8); ``"scalar"`` old GPT-2 checkpoints' ``masked_bias`` (the fill value ``-1e4`` that
     code used instead of ``-inf``: any finite scalar is accepted, its value is not used).
-    Causal buffers exist only for causal layers (``n = context_length``). ``export``: written by
-    ``state_dict``.
+    Causal buffers exist only for causal layers (``n = context_length``, the layer's registered
+    ``mask``). ``export``: written by ``state_dict``.
     """
 
     name: str
@@ -79,15 +135,15 @@ class Buffer(NamedTuple):
 
 
 class Layout(NamedTuple):
-    """One peer's names. ``layers``: the layer classes it applies to. ``alternatives``: a key
-    replaced by others when any of them is given (torch's separate projections). ``bias_free``:
-    keys a bias-free peer omits together (``torch.nn.MultiheadAttention(bias=False)``): when
-    none is given (and ``when`` is), they load as zeros. ``refused``: keys of a peer option no
-    layer here expresses, and why. ``square``: the peer's query projection is square."""
+    """One peer's names. ``alternatives``: a key replaced by others when any of them is given
+    (torch's separate projections). ``bias_free``: keys a bias-free peer omits together
+    (``torch.nn.MultiheadAttention(bias=False)``): when none is given (and ``when`` is), they
+    load as zeros. ``refused``: keys of a peer option no layer here expresses, and why.
+    ``square``: the peer's query projection is square. Which classes take it: the registry
+    (``layers_taking``)."""
 
     name: str
     peer: str
-    layers: tuple[str, ...]
     keys: tuple[Key, ...] = ()
     buffers: tuple[Buffer, ...] = ()
     alternatives: tuple[tuple[str, tuple[Key, ...]], ...] = ()
@@ -98,7 +154,7 @@ class Layout(NamedTuple):
 
 
 class ModelNames(NamedTuple):
-    """A whole model's names in a layout, as the model declares them (``peer_names(layout)``).
+    """A whole model's names in a layout, as its registered ``Names.model`` gives them.
 
     ``params``: ``(own key, layout key, transposed)`` for the parameters outside the attention
     layers: the own key is the documents' (torch) name, ``transposed`` says the layout stores
@@ -129,24 +185,11 @@ LAYOUTS: dict[str, Layout] = {
     "documents": Layout(
         "documents",
         "the documents (torch_reference)",
-        (
-            "SelfAttention_v1",
-            "SelfAttention_v2",
-            "CausalAttention",
-            "MultiHeadAttentionWrapper",
-            "MultiHeadAttention",
-            "MultiHeadedAttention",
-            "GPTModel",
-            "EncoderDecoder",
-            "LinearWithLoRA",  # the book's appendix E (flax_attention.models.lora)
-            "LoRALayer",
-        ),
         buffers=(Buffer("mask", "triu", export=True),),
     ),
     "torch_nn": Layout(
         "torch_nn",
         "torch.nn.MultiheadAttention",
-        ("MultiHeadAttention", "MultiHeadedAttention"),
         keys=(
             Key("in_proj_weight", _QKV_WEIGHT),
             Key("in_proj_bias", _QKV_BIAS),
@@ -171,7 +214,6 @@ LAYOUTS: dict[str, Layout] = {
     "gpt2": Layout(
         "gpt2",
         "Hugging Face GPT2Attention (GPT2LMHeadModel for a GPTModel)",
-        ("MultiHeadAttention", "GPTModel"),
         keys=(
             Key("c_attn.weight", _QKV_WEIGHT, transpose=True),
             Key("c_attn.bias", _QKV_BIAS),
@@ -183,7 +225,6 @@ LAYOUTS: dict[str, Layout] = {
     "fused_qkv": Layout(
         "fused_qkv",
         "one Linear for q, k, v (the book's combined-QKV variant, nanoGPT)",
-        ("MultiHeadAttention", "MultiHeadedAttention"),
         keys=(
             Key("qkv.weight", _QKV_WEIGHT),
             Key("qkv.bias", _QKV_BIAS, always=False),
@@ -193,3 +234,158 @@ LAYOUTS: dict[str, Layout] = {
         buffers=(Buffer("mask", "triu", export=True),),
     ),
 }
+
+#: nnx's variable names that torch names otherwise, in any module: name -> (torch's name, the
+#: torch value is the transpose). ``nn.Linear``'s ``weight`` ``(out, in)`` is the transpose of
+#: ``nnx.Linear``'s ``kernel``; ``nn.Embedding``'s ``weight`` is ``nnx.Embed``'s ``embedding``.
+TORCH_VARIABLES: dict[str, tuple[str, bool]] = {
+    "kernel": ("weight", True),
+    "embedding": ("weight", False),
+}
+
+#: The roles of the peers' layouts: an attention layer's q, k, v and o projections.
+ROLE_NAMES = ("q", "k", "v", "o")
+
+
+class Names(NamedTuple):
+    """How the weight bridge names one class's weights (``register``).
+
+    ``layouts``: the layouts it takes (``"documents"``, the graph's own names, always among
+    them). ``roles``: an attention layer's projections, ``{"q": "W_query", "k": ..., "v": ...,
+    "o": ...}`` (each an ``nnx.Linear``'s path): the peers' layouts (``torch_nn``, ``gpt2``,
+    ``fused_qkv``) are written in these roles. ``buffers``: ``(name, value)`` pairs, a buffer
+    the torch module carries that is not Flax state, ``value(module)`` its array; only the
+    causal ``mask`` (``triu(ones(n, n), diagonal=1)``) is a buffer the layouts know. ``model``:
+    a whole model's names, ``model(module, layout) -> ModelNames`` (renamed parameters, its
+    attention layers' prefixes, tied aliases); ``None``: the graph's paths. ``dequantized``:
+    ``(weight, scale)`` pairs, a weight held quantized and exported as ``weight * scale`` (one
+    scale per output feature), which a load refuses.
+    """
+
+    layouts: tuple[str, ...] = ("documents",)
+    roles: Mapping[str, str] | None = None
+    buffers: tuple[tuple[str, Callable[[Any], np.ndarray]], ...] = ()
+    model: Callable[[Any, str], ModelNames] | None = None
+    dequantized: tuple[tuple[str, str], ...] = ()
+
+
+#: class -> its names, in registration order.
+_REGISTRY: dict[type, Names] = {}
+
+
+def register(cls: type, names: Names) -> type:
+    """Register ``cls``'s weight names (``Names``) with the bridge; returns ``cls``. Registering
+    a class again replaces its entry. ``load_state_dict``, ``state_dict``, ``load_file`` and
+    ``save_file`` take an instance of a registered class or of its subclasses, and refuse any
+    other module."""
+    if not isinstance(cls, type):
+        raise TypeError(f"cls ({cls!r}) must be a class (the module type to name)")
+    if not isinstance(names, Names):
+        raise TypeError(
+            f"names ({type(names).__name__}) must be a flax_attention.layouts.Names "
+            "(e.g. Names() for the documents' names)"
+        )
+    unknown = [layout for layout in names.layouts if layout not in LAYOUTS]
+    if unknown or "documents" not in names.layouts:
+        raise ValueError(
+            f"names.layouts ({names.layouts!r}) must be among {tuple(LAYOUTS)} and include "
+            "'documents' (every class's own names)"
+        )
+    peers = [layout for layout in names.layouts if layout != "documents"]
+    roles = names.roles or {}
+    if peers and names.model is None and set(roles) != set(ROLE_NAMES):
+        raise ValueError(
+            f"names.roles ({names.roles!r}) must name the projections {ROLE_NAMES} of "
+            f"{cls.__name__} for layouts {tuple(peers)} (or names.model a whole model's names)"
+        )
+    _REGISTRY[cls] = names
+    return cls
+
+
+def names_of(module) -> tuple[type, Names] | None:
+    """The registered class ``module`` is (or derives from) and its ``Names``; ``None`` if no
+    class of its type's bases is registered."""
+    for cls in type(module).__mro__:
+        if cls in _REGISTRY:
+            return cls, _REGISTRY[cls]
+    return None
+
+
+def layers_taking(layout: str) -> tuple[str, ...]:
+    """The names of the registered classes that take ``layout``, in registration order."""
+    return tuple(cls.__name__ for cls, names in _REGISTRY.items() if layout in names.layouts)
+
+
+def gpt_model_names(cfg: Mapping, layout: str) -> ModelNames:
+    """The book's ``GPTModel``'s names in ``layout`` for ``cfg``: ``"documents"`` (the book's:
+    only the tied head's second name, ``out_head.weight``) or ``"gpt2"`` (Hugging Face's
+    ``GPT2LMHeadModel``)."""
+    tied = cfg["tie_word_embeddings"]
+    if layout == "documents":
+        aliases = (("out_head.weight", "tok_emb.weight"),) if tied else ()
+        return ModelNames(aliases=aliases)
+    params = [("tok_emb.weight", "wte.weight", False), ("pos_emb.weight", "wpe.weight", False)]
+    layers = []
+    for i in range(cfg["n_layers"]):
+        own, peer = f"trf_blocks.{i}.", f"h.{i}."
+        layers.append((own + "att.", peer + "attn."))
+        for norm, ln in (("norm1", "ln_1"), ("norm2", "ln_2")):
+            params.append((f"{own}{norm}.scale", f"{peer}{ln}.weight", False))
+            params.append((f"{own}{norm}.shift", f"{peer}{ln}.bias", False))
+        for linear, conv in (("ff.layers.0", "mlp.c_fc"), ("ff.layers.2", "mlp.c_proj")):
+            # Conv1D stores (d_in, d_out): the transpose of torch's Linear weight
+            params.append((f"{own}{linear}.weight", f"{peer}{conv}.weight", True))
+            params.append((f"{own}{linear}.bias", f"{peer}{conv}.bias", False))
+    params += [("final_norm.scale", "ln_f.weight", False), ("final_norm.shift", "ln_f.bias", False)]
+    head = ("out_head.weight", "lm_head.weight", False)
+    return ModelNames(
+        params=tuple(params) + (() if tied else (head,)),
+        layers=tuple(layers),
+        aliases=(("lm_head.weight", "wte.weight"),) if tied else (),
+        base_prefixes=("transformer.", ""),
+        unprefixed=("lm_head.weight",),
+    )
+
+
+def encoder_decoder_names(model, layout: str) -> ModelNames:
+    """The Annotated Transformer post's ``EncoderDecoder`` names (``layout="documents"``, the
+    only one it takes): its attention layers' ``linears.{j}`` (ours: ``proj_weights.{j}``)."""
+    params = []
+    for name, attentions in (("encoder", ("self_attn",)), ("decoder", ("self_attn", "src_attn"))):
+        for i in range(len(getattr(model, name).layers)):
+            for attention in attentions:
+                own = f"{name}.layers.{i}.{attention}."
+                for j in range(4):
+                    for kind in ("weight", "bias"):
+                        params.append(
+                            (f"{own}proj_weights.{j}.{kind}", f"{own}linears.{j}.{kind}", False)
+                        )
+    return ModelNames(params=tuple(params))
+
+
+def _causal_mask(layer) -> np.ndarray:
+    """The documents' buffer, ``triu(ones(context_length, context_length), diagonal=1)``."""
+    return documents_mask(layer.context_length)
+
+
+_MASK = (("mask", _causal_mask),)
+
+register(SelfAttention_v1, Names())
+register(SelfAttention_v2, Names())
+register(CausalAttention, Names(buffers=_MASK))
+register(MultiHeadAttentionWrapper, Names())  # its heads are CausalAttention: heads.{i}.mask
+register(
+    MultiHeadAttention,
+    Names(
+        layouts=("documents", "torch_nn", "gpt2", "fused_qkv"),
+        roles={"q": "W_query", "k": "W_key", "v": "W_value", "o": "out_proj"},
+        buffers=_MASK,
+    ),
+)
+register(
+    MultiHeadedAttention,
+    Names(
+        layouts=("documents", "torch_nn", "fused_qkv"),
+        roles={role: f"proj_weights.{i}" for i, role in enumerate(ROLE_NAMES)},
+    ),
+)

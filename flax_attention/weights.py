@@ -17,15 +17,23 @@ Every torch ``nn.Linear`` weight is the transpose of the Flax kernel; everything
 layout. Buffers are not Flax state: ``mask`` is checked on load (when present) and produced on
 export. Loading into a module placed by ``flax_attention.shard`` keeps every parameter's sharding.
 
-Other peers' names (``layout="torch_nn"``, ``"gpt2"``, ``"fused_qkv"``) are descriptions in
-``flax_attention.layouts``: each of their keys is a concatenation of the documents' keys (q, k, v
+Which modules these functions take, and under which names, is the registry in
+``flax_attention.layouts`` (``register(cls, Names(...))``, looked up by class): every layer here,
+``GPTModel``, the post's ``EncoderDecoder``, appendix E's LoRA layers, the int8 layers; a module
+of another class is refused until its class is registered (``docs/weights.md``, "Your own
+modules"). Other peers' names (``layout="torch_nn"``, ``"gpt2"``, ``"fused_qkv"``) are
+descriptions there too: each of their keys is a concatenation of the documents' keys (q, k, v
 stacked), stored transposed or not. Every layout goes through the same checks below, so a key's
 problems read the same whatever the layout; ``prefix`` picks one layer's keys out of a model's.
+Safetensors files are opened in one place, ``open_safetensors`` (``load_file`` and
+``models.checkpoints``' sharded directories), their tensors read only when checked and placed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import jax
@@ -35,7 +43,17 @@ from flax import nnx
 
 from flax_attention._checks import check_choice
 from flax_attention.axes import fetch, place
-from flax_attention.layouts import LAYOUTS, ROLES, Buffer, Key, Layout, ModelNames
+from flax_attention.layouts import (
+    LAYOUTS,
+    TORCH_VARIABLES,
+    Buffer,
+    Key,
+    Layout,
+    ModelNames,
+    Names,
+    layers_taking,
+    names_of,
+)
 
 __all__ = ["IncompatibleKeys", "load_state_dict", "state_dict", "save_file", "load_file"]
 
@@ -65,32 +83,30 @@ class _Entry(NamedTuple):
     scale: nnx.Variable | None = None  # an int8 weight's scales (models.quantize), per feature
 
 
-def _is_int8(node) -> bool:
-    """An int8 weight of a quantized model (``flax_attention.models.quantized.Int8Weight``),
-    recognised by its dtype and its module's ``scale``, without importing the models."""
-    return isinstance(node, nnx.Variable) and type(node).__name__ == "Int8Weight"
-
-
 def _torch_entries(module: nnx.Module) -> dict[str, _Entry]:
-    """Torch key -> where its value lives in ``module``, in graph order."""
+    """Torch key -> where its value lives in ``module``, in graph order: every parameter (and
+    ``CheckedBuffer``) under its path, nnx's names made torch's (``TORCH_VARIABLES``); every
+    buffer the registry declares for a submodule's class (``Names.buffers``: the causal
+    ``mask``); a quantized weight (``Names.dequantized``) with its scale."""
+    scales = {  # a quantized weight's variable -> its scales'
+        id(getattr(node, weight)): getattr(node, scale)
+        for _, node in nnx.iter_graph(module)
+        if isinstance(node, nnx.Module) and (names := _names(node)) is not None
+        for weight, scale in names.dequantized
+    }
     entries: dict[str, _Entry] = {}
     for path, node in nnx.iter_graph(module):
         name = ".".join(str(part) for part in path)
-        if _is_int8(node):  # exported dequantized: the float weight it stands for
-            scale = _submodule(module, ".".join(str(part) for part in path[:-1])).scale
-            key = name.removesuffix(str(path[-1])) + "weight"
-            entries[key] = _Entry(node, path[-1] == "kernel", None, scale)
-        elif isinstance(node, (nnx.Param, CheckedBuffer)):
-            if path[-1] == "kernel":
-                entries[name.removesuffix("kernel") + "weight"] = _Entry(node, True, None)
-            elif path[-1] == "embedding":  # nnx.Embed: torch's nn.Embedding weight as it is
-                entries[name.removesuffix("embedding") + "weight"] = _Entry(node, False, None)
-            else:
-                entries[name] = _Entry(node, False, None)
-        elif isinstance(node, nnx.Module) and isinstance(
-            getattr(type(node), "mask", None), property
+        if isinstance(node, nnx.Module) and (names := _names(node)) is not None:
+            for buffer, value in names.buffers:
+                entries[f"{name}.{buffer}" if name else buffer] = _Entry(None, False, value(node))
+        elif isinstance(node, (nnx.Param, CheckedBuffer)) or (
+            isinstance(node, nnx.Variable) and id(node) in scales
         ):
-            entries[f"{name}.mask" if name else "mask"] = _Entry(None, False, node.mask)
+            torch_name, transpose = TORCH_VARIABLES.get(str(path[-1]), (str(path[-1]), False))
+            key = name.removesuffix(str(path[-1])) + torch_name
+            # a quantized weight is exported dequantized: the float weight it stands for
+            entries[key] = _Entry(node, transpose, None, scales.get(id(node)))
     return entries
 
 
@@ -131,25 +147,40 @@ class _Target(NamedTuple):
         return shape[::-1] if self.transpose else shape
 
 
-def _layer_class(module: nnx.Module) -> str:
-    """The name of the ``flax_attention`` class ``module`` is (or derives from)."""
-    for cls in type(module).__mro__:
-        if cls.__module__.startswith("flax_attention.") and cls.__name__ in (
-            LAYOUTS["documents"].layers
-        ):
-            return cls.__name__
-    return type(module).__name__
+def _names(module) -> Names | None:
+    """``module``'s registered names (``flax_attention.layouts.register``), ``None`` if its
+    class is not registered."""
+    found = names_of(module)
+    return None if found is None else found[1]
+
+
+def _class_name(module: nnx.Module) -> str:
+    """The name of the registered class ``module`` is (or derives from), as messages say it."""
+    found = names_of(module)
+    return (type(module) if found is None else found[0]).__name__
+
+
+def _takes(module: nnx.Module) -> tuple[str, ...]:
+    """The layouts ``module``'s registered class takes, in ``LAYOUTS``' order."""
+    names = _names(module)
+    return tuple(n for n in LAYOUTS if names is not None and n in names.layouts)
 
 
 def _layout(module: nnx.Module, layout) -> Layout:
     check_choice("layout", layout, tuple(LAYOUTS))
     spec = LAYOUTS[layout]
-    name = _layer_class(module)
-    if name not in spec.layers:
-        takes = tuple(n for n, s in LAYOUTS.items() if name in s.layers)
+    if names_of(module) is None:
+        name = type(module).__name__
+        raise TypeError(
+            f"module ({type(module).__module__}.{name}) must be of a class the weight bridge "
+            f"knows ({', '.join(layers_taking('documents'))}, or their subclasses): register "
+            f"yours with flax_attention.layouts.register({name}, flax_attention.layouts.Names()) "
+            "to name its weights by their paths"
+        )
+    if layout not in _takes(module):
         raise ValueError(
-            f"layout ({layout!r}) must be one of the layouts {name} takes {takes} "
-            f"(layout {layout!r} is for {', '.join(spec.layers)})"
+            f"layout ({layout!r}) must be one of the layouts {_class_name(module)} takes "
+            f"{_takes(module)} (layout {layout!r} is for {', '.join(layers_taking(layout))})"
         )
     lora = _lora_keys(module) if spec.name != "documents" else []
     if lora:
@@ -217,7 +248,8 @@ def _targets(module: nnx.Module, spec: Layout, given=()) -> dict[str, _Target]:
     picks an alternative form (torch's separate ``q_proj_weight``, ...) when it holds one."""
     entries = _torch_entries(module)
     masks = {name: e.expected for name, e in entries.items() if e.variable is None}
-    names = module.peer_names(spec.name) if hasattr(module, "peer_names") else None
+    registered = _names(module)
+    names = registered.model(module, spec.name) if registered.model is not None else None
     if spec.name == "documents":
         targets = {}
         for name, entry in entries.items():
@@ -233,7 +265,7 @@ def _targets(module: nnx.Module, spec: Layout, given=()) -> dict[str, _Target]:
     if names is not None:
         return _model_targets(module, spec, names, entries, given)
 
-    roles = ROLES[_layer_class(module)]
+    roles = registered.roles
 
     def part(role: str) -> _Part:
         owner, param = role.split(".")
@@ -307,7 +339,8 @@ def _model_targets(module, spec: Layout, names: ModelNames, entries, given) -> d
     left = [name for name, entry in entries.items() if entry.variable is not None]
     if any(name not in covered for name in left):  # the model's names and its graph disagree
         raise RuntimeError(
-            f"{type(module).__name__}.peer_names({spec.name!r}) leaves out "
+            f"the registered names of {_class_name(module)} in layout {spec.name!r} "
+            f"(flax_attention.layouts.register) leave out "
             f"{[name for name in left if name not in covered]}"
         )
     return targets
@@ -546,7 +579,7 @@ def load_state_dict(
         )
     spec = _layout(module, layout)
     _check_prefix(prefix)
-    if any(_is_int8(node) for _, node in nnx.iter_graph(module)):
+    if any(entry.scale is not None for entry in _torch_entries(module).values()):
         raise TypeError(
             f"module ({type(module).__name__}) holds int8 weights (flax_attention.models."
             "quantize): load_state_dict into the float model, then quantize it"
@@ -630,7 +663,7 @@ def _other_layout(module, spec: Layout, targets: dict[str, _Target], given: dict
     known = sum(name in targets for name in given)
     best, best_known = None, known
     for other in LAYOUTS.values():
-        if other.name == spec.name or _layer_class(module) not in other.layers:
+        if other.name == spec.name or other.name not in _takes(module):
             continue
         try:
             fits = sum(name in _targets(module, other, given) for name in given)
@@ -699,6 +732,26 @@ class FileTensor:
         return self._handle.get_slice(self._key)[index]
 
 
+@contextlib.contextmanager
+def open_safetensors(paths, prefix: str = "") -> Iterator[dict[str, FileTensor]]:
+    """The tensors of the safetensors files ``paths`` (one file, or a checkpoint's shards) whose
+    keys start with ``prefix``, as ``FileTensor`` s read only when asked (nothing is read here
+    but the headers; nothing is unpickled); the files stay open inside the ``with`` block. A
+    file that cannot be opened (missing, a header that is not JSON or claims more data than the
+    file holds) raises ``safetensors.SafetensorError`` or ``OSError``, every file opened so far
+    closed again."""
+    from safetensors import safe_open
+
+    with contextlib.ExitStack() as stack:
+        tensors = {}
+        for path in paths:
+            handle = stack.enter_context(safe_open(os.fspath(path), framework="numpy"))
+            for key in handle.keys():  # noqa: SIM118 - a safe_open handle is not a mapping
+                if key.startswith(prefix):  # another layer's keys are not even read
+                    tensors[key] = FileTensor(handle, key)
+        yield tensors
+
+
 def load_file(
     module: nnx.Module,
     path: str | os.PathLike,
@@ -716,21 +769,17 @@ def load_file(
     Tensors are read one at a time to be checked, then, once all pass, again by the slices that
     this process's devices hold (``get_slice``): loading into a module placed on a mesh spread
     over processes holds only each process's own slices."""
-    from safetensors import SafetensorError, safe_open
+    from safetensors import SafetensorError
 
     spec = _layout(module, layout)  # a bad layout or prefix before the file is read
     _check_prefix(prefix)
     name = os.fspath(path)
-    try:
-        opened = safe_open(name, framework="numpy")
-    except (SafetensorError, OSError, ValueError) as error:
-        raise ValueError(f"path ({name!r}) must be a readable safetensors file: {error}") from error
-    with opened as file:
-        tensors = {
-            key: FileTensor(file, key)
-            for key in file.keys()  # noqa: SIM118 - a safe_open handle is not a mapping
-            if key.startswith(prefix)  # another layer's keys are not even read
-        }
+    with contextlib.ExitStack() as stack:
+        try:
+            tensors = stack.enter_context(open_safetensors([name], prefix))
+        except (SafetensorError, OSError, ValueError) as error:
+            message = f"path ({name!r}) must be a readable safetensors file: {error}"
+            raise ValueError(message) from error
         try:
             return load_state_dict(module, tensors, strict=strict, layout=spec.name, prefix=prefix)
         except ValueError as error:

@@ -16,6 +16,7 @@ from flax import nnx
 from safetensors.torch import save_file as torch_save_file
 
 import flax_attention as fa
+from flax_attention import layouts
 
 SMALL = 1e-6
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -375,6 +376,55 @@ def test_files_carry_layout_and_prefix(tmp_path):
     with pytest.raises(ValueError, match=r"^path \('.*'\) must be a readable safetensors file"):
         fa.load_file(fresh, path, layout="torch_nn", prefix="blocks.0.mha.")
     _assert_untouched(fresh, before, "truncated file")
+
+
+def test_a_class_of_your_own_is_registered_and_round_trips():
+    """The registry (``flax_attention.layouts.register``): a user's block is refused until its
+    class is registered, then its graph's paths are its names (the layer inside brings its
+    ``mask``); a user's attention layer takes a peer's layout through its ``roles``."""
+
+    class Block(nnx.Module):  # a layer here, a Linear and a bare parameter
+        def __init__(self, seed):
+            self.att, self.proj = _mha(seed=seed), nnx.Linear(6, 4, rngs=nnx.Rngs(seed))
+            self.gate = nnx.Param(np.arange(3, dtype=np.float32) + seed)
+
+    class Projections(nnx.Module):  # an attention layer's projections under its own names
+        def __init__(self, seed):
+            rngs = nnx.Rngs(seed)
+            self.q, self.k, self.v, self.o = (nnx.Linear(6, 6, rngs=rngs) for _ in range(4))
+
+    unknown = r"module \(.*Block\) must be of a class the weight bridge knows \(.*register"
+    with pytest.raises(TypeError, match=unknown + r"\(Block, flax_attention.layouts.Names\(\)\)"):
+        fa.state_dict(Block(0))
+    layouts.register(Block, layouts.Names())
+    block, other = Block(0), Block(1)
+    state = fa.state_dict(block)
+    att = {f"att.{key}" for key in EXPECTED_KEYS["documents", True]}
+    assert set(state) == att | {"proj.weight", "proj.bias", "gate"}
+    assert np.array_equal(state["proj.weight"], np.asarray(block.proj.kernel[...]).T)
+    assert np.array_equal(state["att.mask"], np.triu(np.ones((5, 5)), 1))
+    fa.load_state_dict(other, state)
+    for key, value in fa.state_dict(other).items():
+        assert np.array_equal(value, state[key]), key
+
+    roles = {"q": "q", "k": "k", "v": "v", "o": "o"}
+    layouts.register(Projections, layouts.Names(layouts=("documents", "fused_qkv"), roles=roles))
+    mine, back = Projections(0), Projections(1)
+    fused = fa.state_dict(mine, layout="fused_qkv")
+    stacked = [np.asarray(linear.kernel[...]).T for linear in (mine.q, mine.k, mine.v)]
+    assert np.array_equal(fused["qkv.weight"], np.concatenate(stacked))
+    assert np.array_equal(fused["proj.weight"], np.asarray(mine.o.kernel[...]).T)
+    fa.load_state_dict(back, fused, layout="fused_qkv")
+    for key, value in fa.state_dict(back).items():
+        assert np.array_equal(value, fa.state_dict(mine)[key]), key
+
+    with pytest.raises(ValueError, match=r"names.roles \(None\) must name the projections"):
+        layouts.register(Projections, layouts.Names(layouts=("documents", "gpt2")))
+    with pytest.raises(ValueError, match=r"names.layouts \(\('hf',\)\) must be among"):
+        layouts.register(Projections, layouts.Names(layouts=("hf",)))
+    with pytest.raises(TypeError, match=r"names \(dict\) must be a flax_attention.layouts.Names"):
+        layouts.register(Projections, {})
+    assert fa.state_dict(mine, layout="fused_qkv").keys() == fused.keys()  # entry kept
 
 
 # ---- fused_qkv against the book's combined-QKV module and nanoGPT-style code ----------------

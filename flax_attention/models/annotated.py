@@ -77,7 +77,7 @@ from flax_attention.axes import (
 )
 from flax_attention.cache import decode_step, split_for_decode
 from flax_attention.core import Implementation
-from flax_attention.layouts import ModelNames
+from flax_attention.layouts import Names, encoder_decoder_names, register
 from flax_attention.weights import CheckedBuffer
 
 __all__ = [
@@ -354,25 +354,8 @@ class EncoderDecoder(nnx.Module):
         """Nothing of the model itself splits over ``model`` (its layers say what they split)."""
         return {}
 
-    def peer_names(self, layout: str) -> ModelNames:
-        """The post's names: its attention layers' ``linears`` (ours: ``proj_weights``)."""
-        if layout != "documents":
-            raise ValueError(f"layout ({layout!r}) must be 'documents' for an EncoderDecoder")
-        params = []
-        for stack, attentions in (
-            (self.encoder, ("self_attn",)),
-            (self.decoder, ("self_attn", "src_attn")),
-        ):
-            name = "encoder" if stack is self.encoder else "decoder"
-            for i in range(len(stack.layers)):
-                for attention in attentions:
-                    own = f"{name}.layers.{i}.{attention}."
-                    for j in range(4):
-                        for kind in ("weight", "bias"):
-                            params.append(
-                                (f"{own}proj_weights.{j}.{kind}", f"{own}linears.{j}.{kind}", False)
-                            )
-        return ModelNames(params=tuple(params))
+
+register(EncoderDecoder, Names(model=encoder_decoder_names))  # the post's names (linears.{i})
 
 
 def _ndim(x) -> int:

@@ -31,7 +31,7 @@ from flax import nnx
 
 from flax_attention._checks import check_instance
 from flax_attention.sharding import shard
-from flax_attention.weights import FileTensor, load_state_dict, state_dict
+from flax_attention.weights import load_state_dict, open_safetensors, state_dict
 
 __all__ = [
     "config_from_hf",
@@ -151,23 +151,6 @@ def new_model(cls, cfg, *, seed: int = 0, **options):
     return model
 
 
-class _SafetensorsFiles(Mapping):
-    """The tensors of one or more open safetensors files, read when asked for (``FileTensor``:
-    whole for the checks, then by the slices this process places)."""
-
-    def __init__(self, handles: dict[str, object]):
-        self._where = {key: h for h in handles.values() for key in h.keys()}  # noqa: SIM118
-
-    def __getitem__(self, key):
-        return FileTensor(self._where[key], key)
-
-    def __iter__(self):
-        return iter(self._where)
-
-    def __len__(self):
-        return len(self._where)
-
-
 def _weight_files(directory: pathlib.Path) -> list[pathlib.Path]:
     single = directory / "model.safetensors"
     index = directory / "model.safetensors.index.json"
@@ -237,7 +220,7 @@ def load_pretrained(cls, path: str | os.PathLike, *, seed: int = 0, mesh=None, *
     file to its slices (each process of a mesh over several reads and holds only its own
     devices' slices); a size that does not divide over the mesh is a ``ValueError`` before the
     file is read."""
-    from safetensors import SafetensorError, safe_open
+    from safetensors import SafetensorError
 
     directory = pathlib.Path(path)
     _check_directory(path)
@@ -254,18 +237,13 @@ def load_pretrained(cls, path: str | os.PathLike, *, seed: int = 0, mesh=None, *
     model = new_model(cls, cfg, seed=seed, **options)
     if mesh is not None:
         shard(model, mesh)  # the abstract parameters learn where they go
-    handles = {}
-    try:
-        for file in files:
-            handles[file.name] = safe_open(file, framework="numpy").__enter__()
-        load_state_dict(model, _SafetensorsFiles(handles), layout="gpt2")
+    try:  # the shards' tensors, read when checked, then by the slices this process places
+        with open_safetensors(files) as tensors:
+            load_state_dict(model, tensors, layout="gpt2")
     except SafetensorError as error:
         raise ValueError(f"checkpoint ({str(directory)!r}): unreadable file ({error})") from error
     except ValueError as error:
         raise ValueError(f"checkpoint ({str(directory)!r}): {error}") from error
-    finally:
-        for handle in handles.values():
-            handle.__exit__(None, None, None)
     model.eval()
     return model
 

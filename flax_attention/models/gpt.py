@@ -53,7 +53,7 @@ from flax_attention.axes import (
     out_sharding_like,
 )
 from flax_attention.core import Implementation
-from flax_attention.layouts import ModelNames
+from flax_attention.layouts import ModelNames, Names, gpt_model_names, register
 from flax_attention.models import checkpoints
 from flax_attention.multihead import MultiHeadAttention
 
@@ -414,21 +414,6 @@ class GPTModel(nnx.Module):
         """Nothing of the model itself splits over ``model`` (its blocks say what they split)."""
         return {}
 
-    def peer_names(self, layout: str) -> ModelNames:
-        """How the weight bridge names this model in ``layout`` (``flax_attention.layouts``),
-        for the head it has now: a head put in place of the book's (chapter 6's
-        ``model.out_head = nnx.Linear(emb_dim, num_classes, ...)``) is exported and loaded under
-        ``out_head.`` with its own shape in the book's names; Hugging Face's have no such head."""
-        if layout != "documents":
-            problem = head_problem(self)
-            if problem:
-                raise ValueError(
-                    f"{problem} for layout ({layout!r}): Hugging Face's GPT2LMHeadModel has no "
-                    "other head; use layout='documents' (the book's names, which take any "
-                    "out_head)"
-                )
-        return gpt_model_names({**self.cfg, "tie_word_embeddings": self.out_head is None}, layout)
-
     # ---- Hugging Face checkpoints ---------------------------------------------------------------
 
     @classmethod
@@ -491,31 +476,19 @@ def head_problem(model) -> str | None:
     return f"model.out_head ({describe_head(head)}) must be the vocabulary's head ({expected})"
 
 
-def gpt_model_names(cfg, layout: str) -> ModelNames:
-    """``GPTModel``'s names in ``layout``: ``"documents"`` (the book's: only the tied head's
-    second name, ``out_head.weight``) or ``"gpt2"`` (Hugging Face's ``GPT2LMHeadModel``)."""
-    tied = cfg["tie_word_embeddings"]
-    if layout == "documents":
-        aliases = (("out_head.weight", "tok_emb.weight"),) if tied else ()
-        return ModelNames(aliases=aliases)
-    params = [("tok_emb.weight", "wte.weight", False), ("pos_emb.weight", "wpe.weight", False)]
-    layers = []
-    for i in range(cfg["n_layers"]):
-        own, peer = f"trf_blocks.{i}.", f"h.{i}."
-        layers.append((own + "att.", peer + "attn."))
-        for norm, ln in (("norm1", "ln_1"), ("norm2", "ln_2")):
-            params.append((f"{own}{norm}.scale", f"{peer}{ln}.weight", False))
-            params.append((f"{own}{norm}.shift", f"{peer}{ln}.bias", False))
-        for linear, conv in (("ff.layers.0", "mlp.c_fc"), ("ff.layers.2", "mlp.c_proj")):
-            # Conv1D stores (d_in, d_out): the transpose of torch's Linear weight
-            params.append((f"{own}{linear}.weight", f"{peer}{conv}.weight", True))
-            params.append((f"{own}{linear}.bias", f"{peer}{conv}.bias", False))
-    params += [("final_norm.scale", "ln_f.weight", False), ("final_norm.shift", "ln_f.bias", False)]
-    head = ("out_head.weight", "lm_head.weight", False)
-    return ModelNames(
-        params=tuple(params) + (() if tied else (head,)),
-        layers=tuple(layers),
-        aliases=(("lm_head.weight", "wte.weight"),) if tied else (),
-        base_prefixes=("transformer.", ""),
-        unprefixed=("lm_head.weight",),
-    )
+def weight_names(model: GPTModel, layout: str) -> ModelNames:
+    """How the weight bridge names ``model`` in ``layout`` (``flax_attention.layouts.
+    gpt_model_names``), for the head it has now: a head put in place of the book's (chapter 6's
+    ``model.out_head = nnx.Linear(emb_dim, num_classes, ...)``) is exported and loaded under
+    ``out_head.`` with its own shape in the book's names; Hugging Face's have no such head."""
+    if layout != "documents":
+        problem = head_problem(model)
+        if problem:
+            raise ValueError(
+                f"{problem} for layout ({layout!r}): Hugging Face's GPT2LMHeadModel has no "
+                "other head; use layout='documents' (the book's names, which take any out_head)"
+            )
+    return gpt_model_names({**model.cfg, "tie_word_embeddings": model.out_head is None}, layout)
+
+
+register(GPTModel, Names(layouts=("documents", "gpt2"), model=weight_names))

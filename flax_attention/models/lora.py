@@ -56,6 +56,7 @@ from flax import nnx
 
 from flax_attention._checks import check_instance, check_positive_int, check_real
 from flax_attention._init import rows_dot_general
+from flax_attention.layouts import Names, register
 
 __all__ = [
     "LinearWithLoRA",
@@ -202,6 +203,11 @@ class LinearWithLoRA(nnx.Module):
         )
         kernel.set_value(merged.astype(kernel.dtype))
         return self.linear
+
+
+# The book's appendix E names (linear.weight, lora.A, lora.B): the documents' layout only.
+register(LoRALayer, Names())
+register(LinearWithLoRA, Names())
 
 
 def _check_model(model) -> None:

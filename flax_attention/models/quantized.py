@@ -30,6 +30,7 @@ from flax import nnx
 
 from flax_attention._checks import check_choice, check_instance
 from flax_attention._init import narrow_product_ok
+from flax_attention.layouts import Names, register
 
 __all__ = ["SCHEMES", "Int8Embed", "Int8Linear", "Int8Weight", "WeightScale", "quantize"]
 
@@ -130,6 +131,11 @@ class Int8Embed(nnx.Module):
 
     def attend(self, x):
         return _product(x, self.embedding[...], self.scale[...], True, x.dtype)
+
+
+# The bridge exports each int8 weight times its scales (the float weight it stands for).
+register(Int8Linear, Names(dequantized=(("kernel", "scale"),)))
+register(Int8Embed, Names(dequantized=(("embedding", "scale"),)))
 
 
 def _replace_linears(node) -> None:
