@@ -1,7 +1,7 @@
 """The mesh-axis vocabulary: which tensor dimension goes over which device-mesh axis.
 
 The bottom of the package's sharding: the layers, the decode cache and ``flax_attention.shard``
-import from here, and this module imports nothing from the package.
+import from here, and this module imports nothing from the package but its argument checks.
 
 Two mesh axes, by name:
 
@@ -23,10 +23,8 @@ already say where each array lives) and the few contractions over a sharded ``mo
 name their result's sharding (``out_sharding_like``); the attention core runs its kernels under
 ``jax.sharding.auto_axes`` (``explicit_mesh``).
 
-Every value the package puts on devices goes through ``place(value, sharding)``: each process
-builds only the slices of its own devices (``jax.make_array_from_callback``), so the same calls
-work when a mesh spans several JAX processes (``jax.distributed.initialize``), where a process
-cannot address the others' devices.
+Putting values on devices and bringing them back (``place``, ``fetch``, a variable's partition
+spec) is ``flax_attention.placement``, the module above this one.
 """
 
 from __future__ import annotations
@@ -35,8 +33,9 @@ from typing import NamedTuple, Protocol, runtime_checkable
 
 import jax
 import numpy as np
-from flax import nnx
-from jax.sharding import AxisType, NamedSharding, PartitionSpec
+from jax.sharding import AxisType, PartitionSpec
+
+from flax_attention._checks import check_choice, check_instance, check_int
 
 __all__ = [
     "DATA",
@@ -48,33 +47,34 @@ __all__ = [
     "TO_HEADS",
     "FROM_HEADS",
     "SplitsOverModel",
-    "axis_names",
-    "axis_types",
-    "check_variable",
     "constrain",
     "expand_axes",
-    "explicit_mesh",
-    "fetch",
-    "lookup_sharding",
     "mesh_axis_size",
-    "out_sharding_like",
-    "parameters_mesh",
-    "partition_spec",
-    "place",
-    "place_like_parameters",
-    "spec_entry",
-    "spec_of",
 ]
 
 DATA = "data"
 MODEL = "model"
 
 
-class LinearAxes(NamedTuple):
-    """Mesh axes of an ``nnx.Linear``'s kernel ``(d_in, d_out)`` and bias ``(d_out,)``."""
-
+class _LinearAxes(NamedTuple):
     kernel: tuple
     bias: tuple
+
+
+class LinearAxes(_LinearAxes):
+    """Mesh axes of an ``nnx.Linear``'s kernel ``(d_in, d_out)`` and bias ``(d_out,)``: a tuple
+    of two entries and a tuple of one, each ``None``, a mesh axis's name or a tuple of them."""
+
+    __slots__ = ()
+
+    def __new__(cls, kernel: tuple, bias: tuple):
+        for name, value, size in (("kernel", kernel, 2), ("bias", bias, 1)):
+            check_instance(
+                name, value, tuple, f"a tuple of {size} mesh axes (e.g. (None, 'model'))"
+            )
+            if len(value) != size:
+                raise ValueError(f"{name} ({value!r}) must name {size} mesh axes (or None)")
+        return super().__new__(cls, kernel, bias)
 
 
 #: Projections into heads (``W_query``, ``W_key``, ``W_value``): output features over ``model``.
@@ -104,14 +104,28 @@ class SplitsOverModel(Protocol):
 
 
 def mesh_axis_size(mesh, name: str) -> int:
-    """Size of axis ``name`` of ``mesh`` (a ``Mesh`` or ``AbstractMesh``); 1 when absent."""
+    """Size of axis ``name`` (``DATA`` or ``MODEL``) of ``mesh`` (a ``Mesh`` or
+    ``AbstractMesh``); 1 when absent."""
+    check_choice("name", name, (DATA, MODEL))
     return int(dict(mesh.shape).get(name, 1))
+
+
+def _check_axes(axes, ndim: int) -> tuple:
+    """``axes`` as a tuple naming every one of ``ndim`` dimensions (or holding ``...``)."""
+    check_instance("axes", axes, (tuple, list), "a tuple of mesh axes, one per dimension, or ...")
+    axes = tuple(axes)
+    if ... not in axes and len(axes) < ndim:
+        raise ValueError(
+            f"axes ({axes!r}) must name each of the {ndim} dimensions (or hold ... for the rest)"
+        )
+    return axes
 
 
 def expand_axes(axes, ndim: int) -> tuple:
     """``axes`` for ``ndim`` dimensions: ``...`` becomes as many ``None`` as needed; a tensor with
     fewer dimensions than ``axes`` names (an unbatched input) drops the leftmost names."""
-    axes = tuple(axes)
+    check_int("ndim", ndim, 1)
+    axes = _check_axes(axes, ndim)
     if ... in axes:
         i = axes.index(...)
         head, tail = axes[:i], axes[i + 1 :]
@@ -190,6 +204,7 @@ def constrain(x: jax.Array, axes) -> jax.Array:
     their dimension are left unconstrained: this is a layout hint, never a change of numbers.
     Without a mesh (``jax.sharding.get_abstract_mesh()`` empty) it returns ``x`` unchanged.
     """
+    _check_axes(axes, x.ndim)
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return x
@@ -203,142 +218,3 @@ def constrain(x: jax.Array, axes) -> jax.Array:
     if all(entry is None for entry in spec):
         return x
     return jax.lax.with_sharding_constraint(x, PartitionSpec(*spec))
-
-
-def _axes_of(variable: nnx.Variable):
-    """The variable's partition metadata (``out_sharding``), or ``None`` (replicated)."""
-    metadata = variable.get_metadata()
-    return metadata.get("out_sharding") or None
-
-
-def partition_spec(variable: nnx.Variable, mesh) -> PartitionSpec:
-    """Where ``variable`` goes on ``mesh``: its metadata, with axes that ``mesh`` does not have
-    (size 1) dropped; ``P()`` (replicated) without metadata."""
-    axes = _axes_of(variable)
-    if axes is None:
-        return PartitionSpec()
-    spec = []
-    for entry in axes:
-        spec.append(spec_entry(n for n in axis_names(entry) if n in mesh.axis_names))
-    return PartitionSpec(*spec)
-
-
-def check_variable(variable: nnx.Variable, mesh, name: str) -> None:
-    """Each dimension named by ``variable``'s metadata divides over its mesh axes."""
-    if _axes_of(variable) is None:
-        return
-    shape = np.shape(variable.get_value())
-    spec = partition_spec(variable, mesh)
-    if len(spec) != len(shape):
-        raise ValueError(
-            f"{name} partition axes ({_axes_of(variable)}) must name one mesh axis or None per "
-            f"dimension (shape {shape})"
-        )
-    for dim, (size, entry) in enumerate(zip(shape, spec, strict=True)):
-        for axis in axis_names(entry):
-            if size % mesh_axis_size(mesh, axis) != 0:
-                raise ValueError(
-                    f"{name}.shape[{dim}] ({size}) must be divisible by the mesh's {axis} axis "
-                    f"({mesh_axis_size(mesh, axis)})"
-                )
-
-
-def _is_key(value) -> bool:
-    return isinstance(value, jax.Array) and jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key)
-
-
-def _index_key(index) -> tuple:
-    """A hashable form of a ``make_array_from_callback`` index (a tuple of slices)."""
-    return tuple((i.start, i.stop, i.step) if isinstance(i, slice) else i for i in index)
-
-
-def place(value, sharding: jax.sharding.Sharding):
-    """``value`` laid out as ``sharding`` says, also where ``sharding`` spans devices this
-    process cannot address (a mesh over several JAX processes).
-
-    ``value`` may be a NumPy array, anything with ``shape``, ``dtype`` and NumPy slicing (read
-    only where this process needs it: a lazily read file tensor), or a ``jax.Array``. Host values
-    go through ``jax.make_array_from_callback``: each process materialises only the slices of
-    its own devices (each slice once, however many of its devices hold it), and every process
-    must pass the same value (the same seed, the same file). A ``jax.Array`` on this process's
-    devices moves with ``jax.device_put`` when ``sharding`` is also all this process's (one
-    process: no copy through the host), else through the host as above; one already spread over
-    processes is returned if it is laid out so, else resharded by a compiled identity. Typed PRNG
-    keys travel as their key data (``jax.random.key_data``, ``wrap_key_data``). Under ``jit``
-    (a tracer) this is ``with_sharding_constraint``.
-    """
-    if isinstance(value, jax.core.Tracer):
-        return jax.lax.with_sharding_constraint(value, sharding)
-    if _is_key(value):
-        data = place(jax.random.key_data(value), sharding)
-        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(value))
-    if isinstance(value, jax.Array):
-        if not value.is_fully_addressable:  # already spread over processes
-            if value.sharding.is_equivalent_to(sharding, value.ndim):
-                return value
-            return jax.jit(_identity, out_shardings=sharding)(value)
-        if sharding.is_fully_addressable:
-            return jax.device_put(value, sharding)
-        value = np.asarray(value)  # this process's whole copy, sliced below
-    elif not all(hasattr(value, name) for name in ("shape", "dtype", "__getitem__")):
-        value = np.asarray(value)
-    slices: dict = {}
-
-    def read(index):
-        key = _index_key(index)
-        if key not in slices:
-            slices[key] = np.asarray(value[index])
-        return slices[key]
-
-    shape = tuple(value.shape)
-    dtype = jax.dtypes.canonicalize_dtype(value.dtype)  # float64 is float32 without x64
-    return jax.make_array_from_callback(shape, sharding, read, dtype=dtype)
-
-
-def _identity(x):
-    return x
-
-
-def fetch(values) -> list[np.ndarray]:
-    """NumPy copies of ``values`` (arrays), in every process. Those spread over processes (not
-    fully addressable) are first replicated by one compiled program: a collective, which every
-    process must run with the same ``values``."""
-    values = list(values)
-    spread = [
-        i
-        for i, value in enumerate(values)
-        if isinstance(value, jax.Array) and not value.is_fully_addressable
-    ]
-    if spread:
-        shardings = [NamedSharding(values[i].sharding.mesh, PartitionSpec()) for i in spread]
-        gathered = jax.jit(_identity, out_shardings=shardings)([values[i] for i in spread])
-        for i, value in zip(spread, gathered, strict=True):
-            values[i] = value
-    return [np.asarray(value) for value in values]
-
-
-def parameters_mesh(module: nnx.Module):
-    """The mesh ``module``'s parameters are placed on (``flax_attention.shard``), or ``None``
-    (not sharded, or traced)."""
-    for _, node in nnx.iter_graph(module):
-        if isinstance(node, nnx.Param):
-            value = node.get_value()
-            sharding = getattr(value, "sharding", None)
-            if isinstance(sharding, NamedSharding) and not isinstance(value, jax.core.Tracer):
-                return sharding.mesh
-    return None
-
-
-def place_like_parameters(module: nnx.Module, variables: dict[str, nnx.Variable]) -> None:
-    """Put ``variables`` (new state by name, e.g. the decode cache ``init_cache`` makes) on the
-    mesh ``module``'s parameters are on, as their metadata says; nothing if the parameters are
-    not on a mesh (not sharded, or traced). A size that does not divide over its mesh axis raises
-    ``ValueError`` as in ``shard``, before anything moves."""
-    mesh = parameters_mesh(module)
-    if mesh is None:
-        return
-    for name, variable in variables.items():
-        check_variable(variable, mesh, name)
-    for variable in variables.values():
-        sharding = NamedSharding(mesh, partition_spec(variable, mesh))
-        variable.set_value(place(variable.get_value(), sharding))

@@ -49,14 +49,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from flax_attention._checks import check_positive_int
-from flax_attention.axes import (
-    CACHE_HEADS,
-    ONE_HEAD,
-    expand_axes,
-    explicit_mesh,
-    place,
-    place_like_parameters,
-)
+from flax_attention.axes import CACHE_HEADS, ONE_HEAD, expand_axes, explicit_mesh
+from flax_attention.placement import place, place_like_parameters
 
 __all__ = [
     "Decoder",

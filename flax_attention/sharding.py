@@ -1,8 +1,9 @@
 """Scaling out: ``shard`` places a layer's parameters and decode caches on a JAX device mesh.
 
 The vocabulary (the ``data`` and ``model`` axes, which dimension goes where, ``constrain``)
-lives in ``flax_attention.axes``, which the layers import; this module sits on top and knows the
-layers only through what they declare:
+lives in ``flax_attention.axes``, which the layers import, and moving values onto a mesh and back
+in ``flax_attention.placement``; each name has that one import path. This module sits on top
+and knows the layers only through what they declare:
 
 - every variable's partition metadata (``out_sharding``, see ``nnx.with_partitioning``;
   ``nnx.get_partition_spec(nnx.state(layer))`` reads it): query/key/value projections split
@@ -30,8 +31,8 @@ the activations and XLA propagates the rest; with ``Explicit`` axes the types ca
 ``shard(layer, mesh)`` places them.
 
 A mesh may span several JAX processes (``jax.distributed.initialize``; ``flax_attention.launch``
-starts them on one machine). Placing goes through ``flax_attention.axes.place``, so each process
-builds only its own devices' slices; ``global_batch`` makes the global batch from each
+starts them on one machine). Placing goes through ``flax_attention.placement.place``, so each
+process builds only its own devices' slices; ``global_batch`` makes the global batch from each
 process's own rows (``data_slices``), and refuses a mesh that does not span every process's
 devices or whose ``data`` axis the processes do not divide.
 """
@@ -43,46 +44,18 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from flax_attention._checks import check_instance, check_positive_int
-from flax_attention.axes import (
-    DATA,
-    FROM_HEADS,
-    HEADS,
-    MODEL,
-    ONE_HEAD,
-    TO_HEADS,
-    LinearAxes,
-    SplitsOverModel,
-    check_variable,
-    constrain,
-    expand_axes,
-    mesh_axis_size,
-    partition_spec,
-    place,
-    place_like_parameters,
-)
+from flax_attention._checks import check_instance, check_int, check_positive_int
+from flax_attention.axes import DATA, MODEL, SplitsOverModel, mesh_axis_size
+from flax_attention.placement import check_variable, partition_spec, place
 
 __all__ = [
-    # The vocabulary, from ``flax_attention.axes`` (imported here for convenience).
-    "DATA",
-    "MODEL",
-    "HEADS",
-    "ONE_HEAD",
-    "LinearAxes",
-    "TO_HEADS",
-    "FROM_HEADS",
-    "constrain",
-    "expand_axes",
-    "mesh_axis_size",
-    "place",
-    "place_like_parameters",
     # Placing a layer.
     "check_shardable",
-    "partition_spec",
     "shard",
     # Feeding a mesh that spans processes.
     "data_slices",
     "global_batch",
+    "check_data_over_processes",
 ]
 
 
@@ -125,6 +98,8 @@ def _check_splits_over_model(module, mesh) -> None:
 
 def check_shardable(module: nnx.Module, mesh: jax.sharding.Mesh) -> None:
     """Raise what ``shard(module, mesh)`` would raise, without moving anything."""
+    expected = "an nnx.Module or other nnx.Pytree (a layer, a model, an nnx.Optimizer)"
+    check_instance("module", module, nnx.Pytree, expected)
     _check_mesh(mesh)
     _check_spans_processes(mesh)
     _check_splits_over_model(module, mesh)
@@ -167,7 +142,10 @@ def shard(module: nnx.Module, mesh: jax.sharding.Mesh) -> nnx.Module:
 def data_slices(mesh: jax.sharding.Mesh, process: int | None = None) -> tuple[int, ...]:
     """The positions along the mesh's ``data`` axis that ``process`` (default: this one) has
     devices at: whose batch rows it feeds. ``(0,)`` on a mesh without ``data``."""
-    process = jax.process_index() if process is None else process
+    _check_mesh(mesh)
+    if process is None:
+        process = jax.process_index()
+    check_int("process", process, 0, why="a JAX process index")
     if DATA not in mesh.axis_names:
         return (0,) if any(d.process_index == process for d in mesh.devices.flat) else ()
     axis = mesh.axis_names.index(DATA)
@@ -185,6 +163,7 @@ def check_data_over_processes(data: int, held: dict[int, tuple[int, ...]]) -> No
     size, so each process feeds whole slices that no other group feeds. Else ``ValueError``:
     ``the mesh's data axis (3) must be divisible by the processes along it (2): process 0 holds
     data slices [0, 1], process 1 [1, 2]``."""
+    check_int("data", data, 1, why="the size of the mesh's data axis")
     groups = sorted(set(held.values()))
     for p, mine in held.items():
         for q, theirs in held.items():

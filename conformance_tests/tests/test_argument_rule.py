@@ -25,8 +25,10 @@ import pytest
 from flax import nnx
 
 import flax_attention as fa
+import flax_attention.axes as fa_axes
 import flax_attention.launch as fa_launch
 import flax_attention.models as fam
+import flax_attention.placement as fa_placement
 import flax_attention.sharding as fa_sharding
 
 #: A wrong value of a row that has none (a bool, a callable: any value of the type is valid).
@@ -392,10 +394,10 @@ _ROWS = [
         "adam",
         NONE,
     ),
-    "flax_attention.sharding",
+    "flax_attention.axes",
     Row(
         "LinearAxes",
-        fa_sharding.LinearAxes,
+        fa_axes.LinearAxes,
         lambda: {"kernel": (None, None), "bias": (None,)},
         "kernel",
         "model",
@@ -403,26 +405,25 @@ _ROWS = [
     ),
     Row(
         "constrain",
-        fa_sharding.constrain,
+        fa_axes.constrain,
         lambda: {"x": _x(2, 2), "axes": (None, None)},
         "axes",
         3,
         (None,),
     ),
-    Row(
-        "expand_axes", fa_sharding.expand_axes, lambda: {"axes": (None,), "ndim": 2}, "ndim", 2.0, 0
-    ),
+    Row("expand_axes", fa_axes.expand_axes, lambda: {"axes": (None,), "ndim": 2}, "ndim", 2.0, 0),
     Row(
         "mesh_axis_size",
-        fa_sharding.mesh_axis_size,
+        fa_axes.mesh_axis_size,
         lambda: {"mesh": _mesh(), "name": "data"},
         "name",
         0,
         "heads",
     ),
+    "flax_attention.placement",
     Row(
         "place",
-        fa_sharding.place,
+        fa_placement.place,
         lambda: {"value": _x(2), "sharding": None},
         "sharding",
         "data",
@@ -430,26 +431,44 @@ _ROWS = [
     ),
     Row(
         "place_like_parameters",
-        fa_sharding.place_like_parameters,
+        fa_placement.place_like_parameters,
         lambda: {"module": fa.SelfAttention_v1(2, 2, rngs=_rngs()), "variables": {}},
         "variables",
         [1],
-        {"nope": nnx.Param(_x(2))},
+        NONE,
     ),
+    Row(
+        "partition_spec",
+        fa_placement.partition_spec,
+        lambda: {"variable": nnx.Param(_x(2)), "mesh": _mesh()},
+        "variable",
+        _x(2),
+        NONE,
+    ),
+    Row(
+        "check_variable",
+        fa_placement.check_variable,
+        lambda: {"variable": nnx.Param(_x(2)), "mesh": _mesh(), "name": "w"},
+        "variable",
+        _x(2),
+        NONE,
+    ),
+    Row(
+        "parameters_mesh",
+        fa_placement.parameters_mesh,
+        lambda: {"module": fa.SelfAttention_v1(2, 2, rngs=_rngs())},
+        "module",
+        {"w": _x(2)},
+        NONE,
+    ),
+    Row("fetch", fa_placement.fetch, lambda: {"values": [_x(2)]}, "values", 3, NONE),
+    "flax_attention.sharding",
     Row(
         "check_shardable",
         fa_sharding.check_shardable,
         lambda: {"module": fa.SelfAttention_v1(2, 2, rngs=_rngs()), "mesh": _mesh()},
         "mesh",
         None,
-        NONE,
-    ),
-    Row(
-        "partition_spec",
-        fa_sharding.partition_spec,
-        lambda: {"variable": nnx.Param(_x(2)), "mesh": _mesh()},
-        "variable",
-        _x(2),
         NONE,
     ),
     Row(
@@ -466,6 +485,14 @@ _ROWS = [
         fa_sharding.global_batch,
         lambda: {"local": np.ones((2, 3)), "mesh": _mesh()},
         "batch_size",
+        2.0,
+        0,
+    ),
+    Row(
+        "check_data_over_processes",
+        fa_sharding.check_data_over_processes,
+        lambda: {"data": 2, "held": {0: (0, 1)}},
+        "data",
         2.0,
         0,
     ),
@@ -515,12 +542,14 @@ EXEMPT = {
     # constants
     ("flax_attention", "IMPLEMENTATIONS"): "a constant (the implementations' names)",
     ("flax_attention.models", "GPT_CONFIG_124M"): "a constant (the book's config dict)",
-    ("flax_attention.sharding", "DATA"): "a constant (a mesh axis's name)",
-    ("flax_attention.sharding", "MODEL"): "a constant (a mesh axis's name)",
-    ("flax_attention.sharding", "HEADS"): "a constant (partition axes)",
-    ("flax_attention.sharding", "ONE_HEAD"): "a constant (partition axes)",
-    ("flax_attention.sharding", "TO_HEADS"): "a constant (a LinearAxes)",
-    ("flax_attention.sharding", "FROM_HEADS"): "a constant (a LinearAxes)",
+    ("flax_attention.axes", "DATA"): "a constant (a mesh axis's name)",
+    ("flax_attention.axes", "MODEL"): "a constant (a mesh axis's name)",
+    ("flax_attention.axes", "HEADS"): "a constant (partition axes)",
+    ("flax_attention.axes", "CACHE_HEADS"): "a constant (partition axes)",
+    ("flax_attention.axes", "ONE_HEAD"): "a constant (partition axes)",
+    ("flax_attention.axes", "TO_HEADS"): "a constant (a LinearAxes)",
+    ("flax_attention.axes", "FROM_HEADS"): "a constant (a LinearAxes)",
+    ("flax_attention.axes", "SplitsOverModel"): "a Protocol (what a layer declares)",
     ("flax_attention.launch", "COORDINATOR"): "a constant (an environment variable's name)",
     ("flax_attention.launch", "NUM_PROCESSES"): "a constant (an environment variable's name)",
     ("flax_attention.launch", "PROCESS_ID"): "a constant (an environment variable's name)",
@@ -540,6 +569,8 @@ EXEMPT = {
 PACKAGES = {
     "flax_attention": fa,
     "flax_attention.models": fam,
+    "flax_attention.axes": fa_axes,
+    "flax_attention.placement": fa_placement,
     "flax_attention.sharding": fa_sharding,
     "flax_attention.launch": fa_launch,
 }
@@ -570,7 +601,6 @@ def _raises(row: Row, value, error):
 
 
 _BARE = "the documents' bare function takes arrays and checks nothing: JAX's own error"
-_SHARDING = "sharding.py and axes.py are being restructured (issue 31): their checks come there"
 
 #: Rows the package does not meet yet, ``(name, arg, error)``: each runs as a strict xfail, so
 #: the day its check is written the test fails until the entry is removed.
@@ -595,21 +625,6 @@ GAPS = {
     "tokenizer unchecked",
     ("generate_and_print_sample", "start_context", ValueError): "start_context goes to the "
     "tokenizer unchecked",
-    ("LinearAxes", "kernel", TypeError): _SHARDING,
-    ("LinearAxes", "kernel", ValueError): _SHARDING,
-    ("constrain", "axes", TypeError): _SHARDING,
-    ("constrain", "axes", ValueError): _SHARDING,
-    ("expand_axes", "ndim", TypeError): _SHARDING,
-    ("expand_axes", "ndim", ValueError): _SHARDING,
-    ("mesh_axis_size", "name", TypeError): _SHARDING,
-    ("mesh_axis_size", "name", ValueError): _SHARDING,
-    ("place", "sharding", TypeError): _SHARDING,
-    ("place_like_parameters", "variables", TypeError): _SHARDING,
-    ("place_like_parameters", "variables", ValueError): _SHARDING,
-    ("partition_spec", "variable", TypeError): _SHARDING,
-    ("shard", "module", TypeError): _SHARDING,
-    ("data_slices", "process", TypeError): _SHARDING,
-    ("data_slices", "process", ValueError): _SHARDING,
     ("initialize", "initialization_timeout", TypeError): "initialize reads the environment "
     "and starts jax.distributed before it looks at the timeout",
     ("initialize", "initialization_timeout", ValueError): "initialize reads the environment "

@@ -51,7 +51,7 @@ import optax
 from flax import nnx
 
 from flax_attention._checks import check_int, check_real
-from flax_attention.axes import fetch
+from flax_attention.placement import fetch
 
 __all__ = [
     "IGNORE_INDEX",
