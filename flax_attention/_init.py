@@ -137,7 +137,7 @@ def rows_dot_general(lhs, rhs, dimension_numbers, precision=None, **options):
         and not rhs_batch
         and tuple(lhs_contracting) == (lhs.ndim - 1,)
         and options.get("out_sharding") is None
-        and not any(spec_of(lhs))
+        and (jax.sharding.get_abstract_mesh().empty or not any(spec_of(lhs)))
     )
     if not plain or (lhs.ndim == 2 and not narrow_product_ok(lhs.shape[0], rhs)):
         return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision, **options)
