@@ -18,6 +18,7 @@ from flax_attention._checks import (
     check_mask,
     check_min_rank,
     check_num_tokens,
+    check_positive_int,
     check_rank,
     check_same,
 )
@@ -32,6 +33,19 @@ __all__ = [
     "check_token_ids",
     "check_zero_one",
 ]
+
+
+def check_array(name, x, min_rank: int, legend: str) -> None:
+    """``x`` must be an array (a ``jax.Array``, a NumPy array, anything with a ``shape``) of at
+    least ``min_rank`` dimensions (``legend`` spells them): the documents' bare functions."""
+    if not hasattr(x, "shape") or isinstance(x, (str, bytes)):
+        raise TypeError(f"{name} ({type(x).__name__}) must be an array ({legend})")
+    check_min_rank(name, tuple(x.shape), min_rank, legend)
+
+
+def check_d_key(d_key) -> None:
+    """The softmax's scale ``sqrt(d_key)``: a positive int (the keys' features)."""
+    check_positive_int("d_key", d_key)
 
 
 def check_input(name, x, d_in, legend="..., num_tokens, d_in"):

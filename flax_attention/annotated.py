@@ -19,7 +19,11 @@ from flax_attention._checks import (
     check_splits_over_heads,
 )
 from flax_attention._init import linear_factory, set_linear_axes
-from flax_attention._inputs import check_annotated_inputs, check_projected_inputs
+from flax_attention._inputs import (
+    check_annotated_inputs,
+    check_array,
+    check_projected_inputs,
+)
 from flax_attention.axes import FROM_HEADS, HEADS, TO_HEADS, constrain, out_sharding_like
 from flax_attention.core import (
     AttentionMask,
@@ -207,6 +211,13 @@ def attention(query, key, value, mask=None, dropout=None, *, precision=None):
     Returns:
       ``out`` ``(..., q_len, v_dim)`` and ``attention_score`` ``(..., q_len, k_len)``.
     """
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        check_array(name, x, 2, "..., length, features")
+    if value.shape[-2] != key.shape[-2]:
+        raise ValueError(
+            f"value.shape[-2] ({value.shape[-2]}) must equal key.shape[-2] ({key.shape[-2]}): "
+            "one value per key"
+        )
     # The core's layout is (..., t, h, d): the document's (..., t, d) is one head.
     out, attention_score = dot_product_attention(
         query[..., None, :],

@@ -15,7 +15,7 @@ from flax import nnx
 from flax_attention import cache as decode_cache
 from flax_attention._checks import check_dropout, check_positive_int
 from flax_attention._init import linear_factory
-from flax_attention._inputs import check_causal_input
+from flax_attention._inputs import check_causal_input, check_d_key
 from flax_attention.axes import (
     ONE_HEAD,
     TO_HEADS,
@@ -47,6 +47,7 @@ def causal_attn_weights_renormalized(attn_scores, d_key):
 
     ``attn_scores`` ``(..., t, t)`` unscaled; returns the masked weights.
     """
+    check_d_key(d_key)
     attn_weights = masked_softmax(attn_scores, d_key)  # (..., t, t)
     sequence_length = attn_scores.shape[-1]
     mask = causal_mask(sequence_length, sequence_length)  # (t, t)
@@ -61,6 +62,7 @@ def causal_attn_weights_masked_fill(attn_scores, d_key):
 
     ``attn_scores`` ``(..., t, t)`` unscaled; returns the masked weights.
     """
+    check_d_key(d_key)
     sequence_length = attn_scores.shape[-1]
     return masked_softmax(attn_scores, d_key, causal_mask(sequence_length, sequence_length))
 

@@ -72,6 +72,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from flax_attention._checks import check_choice, check_instance
+from flax_attention._inputs import check_d_key
 from flax_attention.axes import explicit_mesh, spec_of
 from flax_attention.kernels import native
 from flax_attention.kernels.blocked import BlockSizes, blocked_attention
@@ -119,6 +120,7 @@ def masked_softmax(attn_scores, d_key, mask=None, fill_value=-jnp.inf):
     ``AttentionMask`` (which brings its own fill and causality). The softmax runs in at least
     float32 and the result is cast back to the dtype of ``attn_scores``.
     """
+    check_d_key(d_key)
     dtype = attn_scores.dtype
     attn_scores = attn_scores / d_key**0.5
     if not isinstance(mask, AttentionMask):

@@ -49,6 +49,7 @@ def initialize(initialization_timeout: int = 300) -> None:
     ``ValueError`` naming it."""
     import jax
 
+    check_positive_int("initialization_timeout", initialization_timeout)
     if jax.distributed.is_initialized():
         return
     if COORDINATOR not in os.environ:
@@ -164,6 +165,14 @@ def launch(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The command line (``python -m flax_attention.launch``): ``argv`` its arguments (``None``:
+    ``sys.argv[1:]``); a bad command line exits 2 with the usage, as argparse does."""
+    if argv is not None and (
+        isinstance(argv, str)
+        or not isinstance(argv, Sequence)
+        or not all(isinstance(a, str) for a in argv)
+    ):
+        raise TypeError(f"argv ({argv!r}) must be a list of str or None (sys.argv[1:])")
     parser = argparse.ArgumentParser(
         prog="python -m flax_attention.launch",
         description="Run a JAX program as N processes on this machine (it calls "

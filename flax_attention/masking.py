@@ -23,6 +23,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from flax_attention._checks import check_bool, check_int
+
 __all__ = ["AttentionMask", "causal_mask", "flatten_mask", "representable"]
 
 
@@ -33,6 +35,8 @@ def causal_mask(num_queries: int, num_keys: int, offset=0) -> jax.Array:
     ``offset = 0`` and ``t = s`` this is ``~triu(ones(t, t), diagonal=1)``, the documents'
     ``mask`` buffer sliced to ``[:num_tokens, :num_tokens]``. ``offset`` may be traced (decode).
     """
+    check_int("num_queries", num_queries, 0)
+    check_int("num_keys", num_keys, 0)
     rows = jnp.arange(num_queries)[:, None] + offset  # (t, 1)
     cols = jnp.arange(num_keys)[None, :]  # (1, s)
     return cols <= rows  # (t, s)
@@ -73,6 +77,9 @@ class AttentionMask:
     fill_value: float = -math.inf
     is_causal: bool = False
     query_offset: int | jax.Array = 0
+
+    def __post_init__(self):
+        check_bool("is_causal", self.is_causal)
 
     @classmethod
     def build(

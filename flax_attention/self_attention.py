@@ -14,7 +14,7 @@ from flax import nnx
 
 from flax_attention._checks import check_positive_int
 from flax_attention._init import linear_factory, partitioned, torch_rand
-from flax_attention._inputs import check_input
+from flax_attention._inputs import check_array, check_input
 from flax_attention.axes import ONE_HEAD, TO_HEADS, constrain
 from flax_attention.core import attend, masked_softmax
 
@@ -30,6 +30,7 @@ __all__ = [
 def softmax_naive(x):
     """The self-attention notebook, step 1: ``exp(x) / sum(exp(x))`` over the first axis (no max
     subtraction)."""
+    check_array("x", x, 1, "scores; the softmax runs over the first axis")
     return jnp.exp(x) / jnp.exp(x).sum(axis=0)
 
 
@@ -40,6 +41,7 @@ def simplified_self_attention(inputs, *, precision=None):
     shapes ``(num_tokens, num_tokens)``, ``(num_tokens, num_tokens)``, ``(num_tokens, d_in)``.
     No scaling, as in the documents (``d_key = 1`` for the shared softmax).
     """
+    check_array("inputs", inputs, 2, "num_tokens, d_in")
     attn_scores = jnp.matmul(inputs, inputs.T, precision=precision)  # (t, t)
     attn_weights = masked_softmax(attn_scores, 1)  # (t, t)
     context_vecs = jnp.matmul(attn_weights, inputs, precision=precision)  # (t, d_in)

@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from flax_attention._checks import check_choice
+from flax_attention._checks import check_bool, check_choice
 from flax_attention.layouts import (
     LAYOUTS,
     TORCH_VARIABLES,
@@ -769,6 +769,7 @@ def load_file(
     Tensors are read one at a time to be checked, then, once all pass, again by the slices that
     this process's devices hold (``get_slice``): loading into a module placed on a mesh spread
     over processes holds only each process's own slices."""
+    check_bool("strict", strict, why="False: load what matches, report the rest")
     from safetensors import SafetensorError
 
     spec = _layout(module, layout)  # a bad layout or prefix before the file is read

@@ -519,7 +519,7 @@ _ROWS = [
         lambda: {"argv": ["--processes", "1", "true"]},
         "argv",
         "true",
-        ["--processes", "0", "true"],
+        NONE,  # a command line: argparse exits 2 with the usage (test_multiprocess holds it)
     ),
 ]
 
@@ -604,34 +604,7 @@ _BARE = "the documents' bare function takes arrays and checks nothing: JAX's own
 
 #: Rows the package does not meet yet, ``(name, arg, error)``: each runs as a strict xfail, so
 #: the day its check is written the test fails until the entry is removed.
-GAPS = {
-    ("softmax_naive", "x", TypeError): _BARE,
-    ("softmax_naive", "x", ValueError): _BARE,
-    ("simplified_self_attention", "inputs", TypeError): _BARE,
-    ("simplified_self_attention", "inputs", ValueError): _BARE,
-    ("causal_attn_weights_renormalized", "d_key", TypeError): _BARE,
-    ("causal_attn_weights_renormalized", "d_key", ValueError): _BARE,
-    ("causal_attn_weights_masked_fill", "d_key", TypeError): _BARE,
-    ("causal_attn_weights_masked_fill", "d_key", ValueError): _BARE,
-    ("masked_softmax", "d_key", TypeError): _BARE,
-    ("masked_softmax", "d_key", ValueError): _BARE,
-    ("attention", "value", TypeError): _BARE,
-    ("attention", "value", ValueError): _BARE,
-    ("AttentionMask", "is_causal", TypeError): "AttentionMask checks none of its fields",
-    ("causal_mask", "num_keys", TypeError): "causal_mask checks neither size (may be traced)",
-    ("causal_mask", "num_keys", ValueError): "causal_mask checks neither size (may be traced)",
-    ("load_file", "strict", TypeError): "strict is read as any truthy value",
-    ("generate_and_print_sample", "start_context", TypeError): "start_context goes to the "
-    "tokenizer unchecked",
-    ("generate_and_print_sample", "start_context", ValueError): "start_context goes to the "
-    "tokenizer unchecked",
-    ("initialize", "initialization_timeout", TypeError): "initialize reads the environment "
-    "and starts jax.distributed before it looks at the timeout",
-    ("initialize", "initialization_timeout", ValueError): "initialize reads the environment "
-    "and starts jax.distributed before it looks at the timeout",
-    ("main", "argv", TypeError): "main hands argv to argparse unchecked",
-    ("main", "argv", ValueError): "main's argparse exits (SystemExit) on a bad count",
-}
+GAPS: dict = {}
 
 
 def _params(rows, error):

@@ -50,7 +50,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from flax_attention._checks import check_int, check_real
+from flax_attention._checks import check_instance, check_int, check_real
 from flax_attention.placement import fetch
 
 __all__ = [
@@ -273,6 +273,10 @@ def generate_and_print_sample(model, tokenizer, start_context: str) -> None:
     (``generate_text_simple`` over the model's whole context), printed on one line; the
     model's mode is put back."""
     from flax_attention.models.generation import generate_text_simple
+
+    check_instance("start_context", start_context, str, "a str (the prompt's text)")
+    if not start_context:
+        raise ValueError("start_context ('') must be a non-empty str (the prompt's text)")
 
     encoded = np.asarray([_encode(tokenizer, start_context)])
     context_size = model.cfg["context_length"]
