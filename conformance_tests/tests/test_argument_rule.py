@@ -1,8 +1,8 @@
 """The argument rule, held for every public name (issue 31 items 5 and 8; docs/errors.md).
 
-Each public function and class of ``flax_attention`` (``__all__``), ``flax_attention.models``
-(``__all__``), ``flax_attention.sharding`` and ``flax_attention.launch`` (their ``__all__``)
-has a row in ``TABLE``: a valid call's arguments, the argument to break, a value of the wrong
+Each public function and class of ``flax_attention``, ``flax_attention.models``,
+``flax_attention.axes``, ``flax_attention.placement``, ``flax_attention.sharding`` and
+``flax_attention.launch`` (their ``__all__``) has a row in ``TABLE``: a valid call's arguments, the argument to break, a value of the wrong
 type and a value of the right type that breaks the rule. The wrong type must raise
 ``TypeError`` and the wrong value ``ValueError``, each naming the argument, as
 ``<name> (<actual>) must <rule> (<expected>)``. ``EXEMPT`` lists, with the reason, each name that
@@ -600,28 +600,11 @@ def _raises(row: Row, value, error):
     )
 
 
-_BARE = "the documents' bare function takes arrays and checks nothing: JAX's own error"
-
-#: Rows the package does not meet yet, ``(name, arg, error)``: each runs as a strict xfail, so
-#: the day its check is written the test fails until the entry is removed.
-GAPS: dict = {}
+def _params(rows):
+    return [pytest.param(row, id=f"{row.package}.{row.name}.{row.arg}") for row in rows]
 
 
-def _params(rows, error):
-    params = []
-    for row in rows:
-        gap = GAPS.get((row.name, row.arg, error))
-        marks = [pytest.mark.xfail(strict=True, reason=gap)] if gap else []
-        params.append(pytest.param(row, id=f"{row.package}.{row.name}.{row.arg}", marks=marks))
-    return params
-
-
-def test_every_gap_names_a_row():
-    rows = {(row.name, row.arg) for row in TABLE}
-    assert {(name, arg) for name, arg, _ in GAPS} <= rows
-
-
-@pytest.mark.parametrize("row", _params(TABLE, TypeError))
+@pytest.mark.parametrize("row", _params(TABLE))
 def test_a_wrong_type_is_a_type_error_naming_the_argument(row):
     _raises(row, row.wrong_type, TypeError)
 
@@ -629,6 +612,6 @@ def test_a_wrong_type_is_a_type_error_naming_the_argument(row):
 VALUED = [row for row in TABLE if row.wrong_value is not NONE]
 
 
-@pytest.mark.parametrize("row", _params(VALUED, ValueError))
+@pytest.mark.parametrize("row", _params(VALUED))
 def test_a_wrong_value_is_a_value_error_naming_the_argument(row):
     _raises(row, row.wrong_value, ValueError)
