@@ -136,6 +136,20 @@ def pytest_unconfigure(config):
         shutil.rmtree(_OWN_CACHE_DIR, ignore_errors=True)
 
 
+@pytest.fixture
+def fresh_traces():
+    """JAX's trace and compilation caches cleared before and after the test: for a test that
+    monkeypatches something a jitted function traces (the report compiles its forward passes
+    once per case and shape). Before: a program compiled earlier in this process, unpatched,
+    would run instead of the patched code. After: the patched program must not serve the tests
+    that follow. (The persistent cache keys on the lowered program, which the patch changes.)"""
+    import jax
+
+    jax.clear_caches()
+    yield
+    jax.clear_caches()
+
+
 @pytest.fixture(scope="session")
 def launch_processes():
     """``run(command, log_dir, processes=2, devices_per_process=2, timeout=300)``: ``command``

@@ -2,8 +2,9 @@
 
 Each public function and class of ``flax_attention``, ``flax_attention.models``,
 ``flax_attention.axes``, ``flax_attention.placement``, ``flax_attention.sharding`` and
-``flax_attention.launch`` (their ``__all__``) has a row in ``TABLE``: a valid call's arguments, the argument to break, a value of the wrong
-type and a value of the right type that breaks the rule. The wrong type must raise
+``flax_attention.launch`` (their ``__all__``) has a row in ``TABLE``: a valid call's
+arguments, the argument to break, a value of the wrong type and a value of the right type that
+breaks the rule. The wrong type must raise
 ``TypeError`` and the wrong value ``ValueError``, each naming the argument, as
 ``<name> (<actual>) must <rule> (<expected>)``. ``EXEMPT`` lists, with the reason, each name that
 takes no argument to break (constants, type aliases, modules, plain records). A test holds that

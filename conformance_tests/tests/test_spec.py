@@ -151,6 +151,7 @@ def test_a_corrupted_weight_fails_the_report(corrupt_one_weight, tmp_path, check
         assert all("@" in r["worst"] for r in optimisers), [r["worst"] for r in optimisers]
 
 
+@pytest.mark.usefixtures("fresh_traces")
 def test_a_wrong_scale_fails_the_report(monkeypatch, tmp_path):
     original = core.masked_softmax
 
@@ -163,6 +164,7 @@ def test_a_wrong_scale_fails_the_report(monkeypatch, tmp_path):
     assert {r["case"] for r in rows if not r["passed"]} >= {"doc_v1_seed123", "doc_mha_2heads"}
 
 
+@pytest.mark.usefixtures("fresh_traces")
 def test_a_leaky_causal_mask_fails_the_mask_check(monkeypatch, tmp_path):
     import flax_attention.core as core
 
@@ -302,6 +304,7 @@ def test_help_names_the_whole_model_cases(capsys):
         assert case.name in text
 
 
+@pytest.mark.usefixtures("fresh_traces")
 def test_a_corrupted_model_weight_fails_the_model_rows(monkeypatch, tmp_path):
     """One entry of each model's first weight off by 1e-2 when the Flax model is loaded: the
     float32 forward and grad rows of both cases fail, and the report exits 1. The int8 row
@@ -329,6 +332,7 @@ def test_a_corrupted_model_weight_fails_the_model_rows(monkeypatch, tmp_path):
     assert all(r["err_over_bound"] > 1 for r in rows if r["check"] != "forward/int8"), rows
 
 
+@pytest.mark.usefixtures("fresh_traces")
 def test_an_int8_product_off_by_a_tenth_of_a_percent_fails_the_int8_row(monkeypatch, tmp_path):
     """The int8 row holds the quantized model's execution (the book's model holds its
     dequantized weights, so a corrupted load passes it): int8 products 0.1% off fail it alone."""

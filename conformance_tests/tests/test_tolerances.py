@@ -71,8 +71,12 @@ def _run(monkeypatch, tmp_path, case, check, dtype, backend, corrupt=None):
             return corrupt(original(self, *args, **kwargs))
 
         monkeypatch.setattr(layer, "__call__", corrupted)
+    # The report compiles its forward passes once per case and shape: traced afresh, so the
+    # patched call (and each corruption size) is what runs, and never served afterwards.
+    jax.clear_caches()
     rows = harness.run_case(case, check, backend, dtype, str(tmp_path))
     monkeypatch.undo()
+    jax.clear_caches()
     compared = [r for r in rows if r.check != "dropout/stats"]
     assert len(compared) == len(worst), (rows, worst)
     for row, error in zip(compared, worst):  # the row's own account: its worst tensor's error
