@@ -177,6 +177,7 @@ def test_a_leaky_causal_mask_fails_the_mask_check(monkeypatch, tmp_path):
     assert [r["passed"] for r in rows] == [False]
 
 
+@pytest.mark.usefixtures("fresh_traces")
 def test_a_bad_dropout_scale_fails_the_dropout_check(monkeypatch, tmp_path):
     from flax import nnx
 
