@@ -270,11 +270,12 @@ def attend(
 ):
     """The one entry of every layer: attention of ``queries`` over ``keys`` and ``values``
     with what ``mask`` (an ``AttentionMask``, built by the caller; ``None``: nothing hidden)
-    hides. Checks the options, chooses the implementation (``None``: ``select_implementation``)
-    or checks the named one can do the call, runs it, under ``jax.sharding.auto_axes`` on an
-    explicit mesh. Returns ``context_vec``, or ``(context_vec, attn_weights)`` with
-    ``need_weights``; the arguments are ``dot_product_attention``'s."""
-    _check_options(implementation, block_sizes, kv_layout)
+    hides. Chooses the implementation (``None``: ``select_implementation``) or checks the named
+    one can do the call, runs it, under ``jax.sharding.auto_axes`` on an explicit mesh. Returns
+    ``context_vec``, or ``(context_vec, attn_weights)`` with ``need_weights``; the arguments are
+    ``dot_product_attention``'s, whose options (``implementation``, ``block_sizes``,
+    ``kv_layout``) are checked where they are given: the layers at construction,
+    ``dot_product_attention`` at each call."""
     if mask is None:
         mask = AttentionMask.build(dtype=jnp.result_type(queries, keys))
     elif not isinstance(mask, AttentionMask):
@@ -347,6 +348,7 @@ def dot_product_attention(
       ``context_vec`` ``(..., t, h, d_v)`` and ``attn_weights`` ``(..., h, t, s)`` (after
       dropout, as the documents return them) or ``None``.
     """
+    _check_options(implementation, block_sizes, kv_layout)
     # The one description of what is hidden, consumed by every implementation.
     attention_mask = AttentionMask.build(
         mask,
