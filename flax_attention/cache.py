@@ -53,6 +53,7 @@ from flax_attention.axes import CACHE_HEADS, ONE_HEAD, expand_axes, explicit_mes
 from flax_attention.placement import place, place_like_parameters
 
 __all__ = [
+    "CachedLayer",
     "Decoder",
     "append",
     "decode_step",
@@ -87,6 +88,29 @@ class Decoder(Protocol):
     def cached_length(self) -> jax.Array: ...
 
     def cache_capacity(self) -> int | None: ...
+
+
+class CachedLayer:
+    """The decode-cache methods of a causal layer (``CausalAttention``, ``MultiHeadAttention``),
+    written once: the layer keeps the three variables and ``W_query``, and its own
+    ``init_cache`` (which knows its heads); a model asks its layers through these."""
+
+    def clear_cache(self) -> None:
+        """Drop the decode cache (back to the state of a new layer)."""
+        clear_cache(self)
+
+    def cached_length(self) -> jax.Array:
+        """Tokens in the decode cache, the next one's position (int32; traced inside jit)."""
+        return cached_length(self)
+
+    def cache_capacity(self) -> int | None:
+        """The decode cache's ``max_length``; ``None`` without a cache."""
+        return cache_capacity(self)
+
+    @property
+    def cache_dtype(self):
+        """The decode cache's default dtype: the layer's computation dtype."""
+        return self.W_query.dtype or self.W_query.param_dtype
 
 
 def clear_cache(layer: Decoder) -> None:

@@ -136,7 +136,7 @@ def causal_attention(
     return context_vec if fits is None else decode_cache.poison_unless(fits, context_vec)
 
 
-class CausalAttention(nnx.Module):
+class CausalAttention(decode_cache.CachedLayer, nnx.Module):
     """The chapter 3 notebook and article and the ``CausalAttention`` listing:
     ``CausalAttention``: one head, ``-inf`` above the diagonal.
 
@@ -212,23 +212,6 @@ class CausalAttention(nnx.Module):
         decode_cache.install_cache(
             self, batch_size, max_length, dtype, heads=1, head_dim=self.d_out
         )
-
-    def clear_cache(self) -> None:
-        """Drop the decode cache (back to the state of a new layer)."""
-        decode_cache.clear_cache(self)
-
-    def cached_length(self) -> jax.Array:
-        """Tokens in the decode cache, the next one's position (int32; traced inside jit)."""
-        return decode_cache.cached_length(self)
-
-    def cache_capacity(self) -> int | None:
-        """The decode cache's ``max_length``; ``None`` without a cache."""
-        return decode_cache.cache_capacity(self)
-
-    @property
-    def cache_dtype(self):
-        """The decode cache's default dtype: the layer's computation dtype."""
-        return self.W_query.dtype or self.W_query.param_dtype
 
     def __call__(self, x: jax.Array, *, decode: bool = False) -> jax.Array:
         check_causal_input(x, self.d_in, self.context_length)

@@ -33,7 +33,7 @@ from flax_attention.core import BlockSizes, Implementation
 __all__ = ["MultiHeadAttention"]
 
 
-class MultiHeadAttention(nnx.Module):
+class MultiHeadAttention(decode_cache.CachedLayer, nnx.Module):
     """The chapter 3 notebook and article, ``MultiHeadAttention``: split heads, causal attention,
     ``out_proj``.
 
@@ -117,23 +117,6 @@ class MultiHeadAttention(nnx.Module):
         decode_cache.install_cache(
             self, batch_size, max_length, dtype, heads=self.num_heads, head_dim=self.head_dim
         )
-
-    def clear_cache(self) -> None:
-        """Drop the decode cache (back to the state of a new layer)."""
-        decode_cache.clear_cache(self)
-
-    def cached_length(self) -> jax.Array:
-        """Tokens in the decode cache, the next one's position (int32; traced inside jit)."""
-        return decode_cache.cached_length(self)
-
-    def cache_capacity(self) -> int | None:
-        """The decode cache's ``max_length``; ``None`` without a cache."""
-        return decode_cache.cache_capacity(self)
-
-    @property
-    def cache_dtype(self):
-        """The decode cache's default dtype: the layer's computation dtype."""
-        return self.W_query.dtype or self.W_query.param_dtype
 
     def _split_heads(self, x):
         x = x.reshape(*x.shape[:-1], self.num_heads, self.head_dim)  # (..., t, h, d)
