@@ -56,6 +56,7 @@ from flax_attention.axes import DATA, mesh_axis_size
 from flax_attention.cache import decode_step, split_for_decode
 from flax_attention.models.gpt import GPTModel, describe_head, head_outputs
 from flax_attention.models.quantized import Int8Weight, WeightScale
+from flax_attention.models.training import in_eval_mode
 from flax_attention.placement import parameters_mesh, place
 
 __all__ = ["PROMPT_BUCKET", "generate", "generate_text_simple", "next_token"]
@@ -199,13 +200,11 @@ def _check_eos(eos_id, vocab_size: int, batch: int) -> None:
         )
 
 
+@in_eval_mode
 def _run(model, plan: _Plan, ids, mask, draw):
-    """``_generate`` on ``model`` in eval mode, with decode caches as long as the cached steps
-    need; the model's dropout modes are put back and the caches dropped afterwards."""
+    """``_generate`` on ``model`` in eval mode (its dropout modes put back after), with decode
+    caches as long as the cached steps need, dropped afterwards."""
     batch, tokens = ids.shape
-    dropouts = [node for _, node in nnx.iter_graph(model) if isinstance(node, nnx.Dropout)]
-    modes = [dropout.deterministic for dropout in dropouts]
-    model.eval()
     try:
         if plan.cached_steps:
             model.init_cache(batch, tokens + plan.cached_steps - 1)
@@ -213,8 +212,6 @@ def _run(model, plan: _Plan, ids, mask, draw):
         return _generate(graphdef, weights, state, ids, mask, *draw, plan=plan)
     finally:
         model.clear_cache()
-        for dropout, deterministic in zip(dropouts, modes):
-            dropout.deterministic = deterministic
 
 
 def _bucket_length(tokens: int, bucket: int, cached_room: int) -> int:
