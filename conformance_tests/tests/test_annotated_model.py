@@ -271,6 +271,26 @@ def test_greedy_decode_of_a_padded_batch_equals_the_posts_loop_per_row(weights):
     np.testing.assert_array_equal(decode(model, src, src[:, None, :] != PAD), got)
 
 
+def test_greedy_decode_runs_a_train_mode_model_in_eval_mode_and_leaves_it_in_train_mode(
+    weights, batch
+):
+    """Dropout 0.5 everywhere, the model in train mode: greedy_decode gives the eval-mode
+    model's tokens, and the model's dropouts are in train mode again after."""
+    src, _ = batch
+    mask = src[:, None, :] != PAD
+    model = annotated.make_model(
+        V, V, N=N, d_model=D_MODEL, d_ff=D_FF, h=H, dropout=0.5, attention_dropout=0.5,
+        rngs=nnx.Rngs(0),
+    )  # fmt: skip
+    fa.load_state_dict(model, weights)
+    model.train()
+    got = np.asarray(annotated.greedy_decode(model, src, mask, 8, 1))
+    dropouts = [node for _, node in nnx.iter_graph(model) if isinstance(node, nnx.Dropout)]
+    assert dropouts and not any(d.deterministic for d in dropouts)
+    model.eval()
+    np.testing.assert_array_equal(got, annotated.greedy_decode(model, src, mask, 8, 1))
+
+
 def test_bad_inputs_are_refused_by_name_and_a_bad_load_changes_nothing(weights, batch):
     src, tgt = batch
     model = _flax(weights)

@@ -78,6 +78,7 @@ from flax_attention.axes import (
 from flax_attention.cache import decode_step, split_for_decode
 from flax_attention.core import Implementation
 from flax_attention.layouts import Names, encoder_decoder_names, register
+from flax_attention.models.training import in_eval_mode
 from flax_attention.weights import CheckedBuffer
 
 __all__ = [
@@ -639,23 +640,16 @@ def greedy_decode(model: EncoderDecoder, src, src_mask, max_len: int, start_symb
             raise ValueError(f"src (ids {low}..{high}) must lie in 0..{src_vocab - 1}")
     src = jnp.asarray(src)
     _check_mask("src_mask", src_mask, src.shape[0], None, src.shape[1] if _ndim(src) == 2 else 0)
-    dropouts = [node for _, node in nnx.iter_graph(model) if isinstance(node, nnx.Dropout)]
-    modes = [dropout.deterministic for dropout in dropouts]
-    model.eval()
-    try:
-        graphdef, weights, state = split_for_decode(model, _CONSTANT)
-        return _greedy_decode(
-            graphdef,
-            weights,
-            state,
-            src,
-            jnp.asarray(src_mask),
-            max_len=max_len,
-            start_symbol=start_symbol,
-        )
-    finally:
-        for dropout, deterministic in zip(dropouts, modes):
-            dropout.deterministic = deterministic
+    return _decode_in_eval_mode(model, src, jnp.asarray(src_mask), max_len, start_symbol)
+
+
+@in_eval_mode
+def _decode_in_eval_mode(model, src, src_mask, max_len: int, start_symbol: int):
+    """``_greedy_decode`` on ``model`` in eval mode (its dropout modes put back after)."""
+    graphdef, weights, state = split_for_decode(model, _CONSTANT)
+    return _greedy_decode(
+        graphdef, weights, state, src, src_mask, max_len=max_len, start_symbol=start_symbol
+    )
 
 
 #: What ``greedy_decode``'s loop holds constant: everything but the decode caches.
