@@ -78,7 +78,7 @@ from flax_attention.axes import (
 from flax_attention.cache import decode_step, split_for_decode
 from flax_attention.core import Implementation
 from flax_attention.layouts import Names, encoder_decoder_names, register
-from flax_attention.models.training import in_eval_mode
+from flax_attention.models._modes import in_eval_mode
 from flax_attention.weights import CheckedBuffer
 
 __all__ = [

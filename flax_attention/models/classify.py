@@ -51,12 +51,12 @@ from flax import nnx
 
 from flax_attention._checks import check_instance, check_int
 from flax_attention._init import linear_factory
+from flax_attention.models._modes import in_eval_mode
 from flax_attention.models.gpt import _REPLICATED, GPTModel, describe_head, head_outputs
 from flax_attention.models.training import (
     as_array,
     check_labels,
     cross_entropy,
-    in_eval_mode,
     loaders_and_optimizer,
     loss_and_grads,
 )

@@ -54,9 +54,9 @@ from flax_attention._checks import check_int, check_real
 from flax_attention._inputs import check_token_ids, check_zero_one
 from flax_attention.axes import DATA, mesh_axis_size
 from flax_attention.cache import decode_step, split_for_decode
+from flax_attention.models._modes import in_eval_mode
 from flax_attention.models.gpt import GPTModel, describe_head, head_outputs
 from flax_attention.models.quantized import Int8Weight, WeightScale
-from flax_attention.models.training import in_eval_mode
 from flax_attention.placement import parameters_mesh, place
 
 __all__ = ["PROMPT_BUCKET", "generate", "generate_text_simple", "next_token"]

@@ -51,6 +51,7 @@ import optax
 from flax import nnx
 
 from flax_attention._checks import check_instance, check_int, check_real
+from flax_attention.models._modes import in_eval_mode
 from flax_attention.placement import fetch
 
 __all__ = [
@@ -220,23 +221,6 @@ def calc_loss_loader(batches, model, num_batches: int | None = None) -> float:
         return float(_eval_loss(model, as_array(input_batch), as_array(target_batch)))
 
     return _loader_mean(batches, num_batches, loss)
-
-
-def in_eval_mode(function):
-    """``function(model, ...)`` run with every dropout off, the model's modes put back after."""
-
-    @functools.wraps(function)
-    def run(model, *args, **kwargs):
-        dropouts = [node for _, node in nnx.iter_graph(model) if isinstance(node, nnx.Dropout)]
-        modes = [dropout.deterministic for dropout in dropouts]
-        model.eval()
-        try:
-            return function(model, *args, **kwargs)
-        finally:
-            for dropout, deterministic in zip(dropouts, modes):
-                dropout.deterministic = deterministic
-
-    return run
 
 
 def evaluate_model(model, train_batches, val_batches, eval_iter: int) -> tuple[float, float]:
