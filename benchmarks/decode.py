@@ -23,13 +23,13 @@ import functools
 
 import jax
 import numpy as np
-import torch
 from flax import nnx
 
 import flax_attention as fa
 from benchmarks.models import make_modules, random_input, torch_generate
 from benchmarks.rows import make_row, max_diffs
 from benchmarks.timing import interleaved, time_calls
+from benchmarks.torch_device import to_numpy, to_torch
 
 __all__ = ["plan_calls", "run"]
 
@@ -65,7 +65,7 @@ def _run_batch(config, batch, progress):
     eager, _, module = make_modules(context_length=max(1024, max_length))
     module.implementation = None
     prompt_np = random_input(batch, prompt_len, seed=1)
-    prompt_torch, prompt_jax = torch.from_numpy(prompt_np), np.asarray(prompt_np)
+    prompt_torch, prompt_jax = to_torch(prompt_np), np.asarray(prompt_np)
     row = functools.partial(make_row, "decode", f"b{batch}_p{prompt_len}_n{steps}", batch=batch)
 
     def flax_generate():
@@ -79,7 +79,7 @@ def _run_batch(config, batch, progress):
     _tick(progress)
     flax_out = flax_generate()  # compiles
     _tick(progress)
-    diffs = max_diffs({"y": np.asarray(flax_out)}, {"y": torch_out.numpy()})
+    diffs = max_diffs({"y": np.asarray(flax_out)}, {"y": to_numpy(torch_out)})
     if diffs[1] > TOLERANCE:
         note = f"outputs differ from torch (max rel {diffs[1]:.1e}): not timed"
         return [

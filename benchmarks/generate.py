@@ -71,6 +71,7 @@ from benchmarks.gpt_models import (
 )
 from benchmarks.rows import make_row
 from benchmarks.timing import Timing, interleaved
+from benchmarks.torch_device import device, to_numpy, to_torch
 from flax_attention.cache import decode_step, split_for_decode
 from flax_attention.models import GPTModel, generate, quantize
 from flax_attention.models.generation import next_token
@@ -107,6 +108,8 @@ def _tick(progress, n=1):
 def run(config, progress=None) -> list[dict]:
     models = torch_models(config, TORCH_ATTENTIONS)
     model, load_s = flax_model(models["sdpa"])
+    for torch_model in models.values():
+        torch_model.to(device())
     context = {"models": models, "model": model, "load_s": load_s,
                "nbytes": weight_bytes(model),
                "readers": readers(config.bandwidth_mb, config.bandwidth_reads)}  # fmt: skip
@@ -140,7 +143,7 @@ def _run_batch(config, context, batch, progress):
     context_size = model.cfg["context_length"]
     rng = np.random.default_rng(batch)
     prompt = rng.integers(0, model.cfg["vocab_size"], (batch, prompt_len)).astype(np.int32)
-    prompt_torch = torch.from_numpy(prompt.astype(np.int64))
+    prompt_torch = to_torch(prompt.astype(np.int64))
     case = f"b{batch}_p{prompt_len}_n{steps}"
     bandwidth, read_timing, reader, rows = _bandwidth(config, context, case, progress)
 
@@ -157,7 +160,7 @@ def _run_batch(config, context, batch, progress):
     with count_compiles() as first:
         outputs["generate"] = np.asarray(jax.block_until_ready(flax_generate()))
     for name in ("eager", "sdpa"):  # warm-up, and the tokens compared
-        outputs[name] = np.asarray(calls[name]())
+        outputs[name] = to_numpy(calls[name]())
     jax.block_until_ready(calls["generate 1"]())
     _tick(progress, len(calls))
     equal = {name: int((outputs["generate"] == outputs[name]).sum()) for name in ("eager", "sdpa")}
@@ -247,7 +250,7 @@ def _dtype_rows(config, context, batch, case, bandwidth, reader, progress):
     rng = np.random.default_rng(1000 + batch)
     prompt = rng.integers(0, context["model"].cfg["vocab_size"], (batch, prompt_len))
     prompt = prompt.astype(np.int32)
-    prompt_torch = torch.from_numpy(prompt.astype(np.int64))
+    prompt_torch = to_torch(prompt.astype(np.int64))
     calls = {}
     for (framework, dtype), model in dtype_models.items():
         if framework == "flax":
@@ -461,7 +464,7 @@ class _TorchSteps:
     def __init__(self, model, ids, steps):
         self.model, self.steps = model, steps
         with torch.no_grad():
-            out = model(torch.from_numpy(ids), use_cache=True)
+            out = model(to_torch(ids), use_cache=True)
         self.cache = out.past_key_values
         self.token = out.logits[:, -1].argmax(-1, keepdim=True)
 

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from flax import nnx
 
+from benchmarks.torch_device import to_torch
 from flax_attention.models import GPTModel
 
 __all__ = [
@@ -100,7 +101,7 @@ def readers(megabytes: int, reads: int) -> dict:
     times, with numpy (one thread), a jitted JAX reduction (XLA's CPU threads) and torch (its
     ``set_num_threads``). Bytes per call: ``megabytes * 2**20 * reads``."""
     values = np.random.default_rng(0).standard_normal(megabytes * 2**18, np.float32)
-    on_jax, on_torch = jnp.asarray(values), torch.from_numpy(values)
+    on_jax, on_torch = jnp.asarray(values), to_torch(values)
     jax_max = jax.jit(jnp.max)
 
     def repeat(read):

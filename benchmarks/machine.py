@@ -61,6 +61,16 @@ def _version(package: str) -> str:
         return "not installed"
 
 
+def _torch_device() -> str:
+    """Where torch runs (``benchmarks.torch_device``), with the GPU's name on CUDA."""
+    import torch
+
+    from benchmarks.torch_device import device
+
+    where = device()
+    return f"cuda ({torch.cuda.get_device_name(where)})" if where.type == "cuda" else "cpu"
+
+
 def describe(torch_threads: int) -> dict:
     """Everything the table's header prints (also the JSON's ``machine``)."""
     memory = _mem_total_gib()
@@ -79,6 +89,7 @@ def describe(torch_threads: int) -> dict:
         "backend": jax.default_backend(),
         "devices": ", ".join(str(d) for d in jax.devices()),
         "jax_default_matmul_precision": str(jax.config.jax_default_matmul_precision),
+        "torch_device": _torch_device(),
         "torch_threads": torch_threads,
         "load_average_start": load_average(),
     }

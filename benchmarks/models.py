@@ -19,6 +19,7 @@ from flax import nnx
 
 import flax_attention as fa
 import torch_reference as tr
+from benchmarks.torch_device import device, to_numpy
 from benchmarks.torch_modules import SDPAMultiHeadAttention, TorchKVCache
 
 __all__ = [
@@ -50,7 +51,8 @@ def torch_generate(mha, prompt, num_steps: int, max_length: int):
 
 def make_modules(context_length: int = GPT2["context_length"], seed: int = 0):
     """``(torch_eager, torch_sdpa, flax_module)`` in eval mode, all with one set of weights
-    (torch's initialisation under ``seed``, loaded into the others)."""
+    (torch's initialisation under ``seed``, loaded into the others); torch's two on
+    ``torch_device.device()``."""
     config = {**GPT2, "context_length": context_length}
     args = [config[k] for k in ("d_in", "d_out", "context_length", "dropout", "num_heads")]
     torch.manual_seed(seed)
@@ -58,8 +60,9 @@ def make_modules(context_length: int = GPT2["context_length"], seed: int = 0):
     sdpa = SDPAMultiHeadAttention(*args, qkv_bias=config["qkv_bias"]).eval()
     weights = eager.state_dict()
     sdpa.load_state_dict(weights)
+    eager.to(device()), sdpa.to(device())
     module = fa.MultiHeadAttention(*args, qkv_bias=config["qkv_bias"], rngs=nnx.Rngs(seed))
-    fa.load_state_dict(module, {k: v.numpy() for k, v in weights.items()})
+    fa.load_state_dict(module, {k: to_numpy(v) for k, v in weights.items()})
     module.eval()
     return eager, sdpa, module
 

@@ -29,6 +29,7 @@ from flax import nnx
 from benchmarks.gpt_models import count_compiles, flax_model, torch_models
 from benchmarks.rows import make_row, max_diffs
 from benchmarks.timing import interleaved
+from benchmarks.torch_device import device, to_numpy, to_torch
 
 __all__ = ["MODES", "TOLERANCE", "plan_calls", "run"]
 
@@ -53,10 +54,11 @@ def run(config, progress=None) -> list[dict]:
     batch, tokens = config.prefill_shape
     hf = torch_models(config, ("sdpa",))["sdpa"]
     model, _ = flax_model(hf)
+    hf.to(device())
     model.eval()
     graphdef, state = nnx.split(model)
     ids = np.random.default_rng(0).integers(0, model.cfg["vocab_size"], (batch, tokens))
-    ids_jax, ids_torch = jax.numpy.asarray(ids, jax.numpy.int32), torch.from_numpy(ids)
+    ids_jax, ids_torch = jax.numpy.asarray(ids, jax.numpy.int32), to_torch(ids)
 
     def torch_forward(last):
         with torch.no_grad():
@@ -70,7 +72,7 @@ def run(config, progress=None) -> list[dict]:
         calls["flax", mode] = functools.partial(_forward, graphdef, state, ids_jax, last=last)
         calls["torch", mode] = functools.partial(torch_forward, last)
         ours = np.asarray(jax.block_until_ready(calls["flax", mode]()))
-        reference = calls["torch", mode]().numpy()
+        reference = to_numpy(calls["torch", mode]())
         diffs[mode] = max_diffs({"logits": ours}, {"logits": reference})
         if progress is not None:
             progress.update(2)

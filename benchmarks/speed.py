@@ -23,6 +23,7 @@ import flax_attention as fa
 from benchmarks.models import make_modules, random_input
 from benchmarks.rows import make_row, max_diffs
 from benchmarks.timing import interleaved
+from benchmarks.torch_device import to_numpy, to_torch
 from flax_attention.kernels import native
 
 __all__ = ["flax_implementations", "plan_calls", "run"]
@@ -94,9 +95,12 @@ def _flax_grads_by_torch_name(module, grads):
 
 
 def _as_named(result):
+    def host(v):
+        return to_numpy(v) if isinstance(v, torch.Tensor) else np.asarray(v)
+
     if isinstance(result, dict):
-        return {k: np.asarray(v.detach() if hasattr(v, "detach") else v) for k, v in result.items()}
-    return {"out": np.asarray(result.detach() if hasattr(result, "detach") else result)}
+        return {k: host(v) for k, v in result.items()}
+    return {"out": host(result)}
 
 
 def plan_calls(config) -> int:
@@ -137,7 +141,7 @@ def run(config, progress=None) -> list[dict]:
     for batch, tokens in config.speed_shapes:
         eager, sdpa, module = make_modules(context_length=max(1024, tokens))
         x_np = random_input(batch, tokens)
-        shape = _Shape(batch, tokens, eager, sdpa, module, torch.from_numpy(x_np),
+        shape = _Shape(batch, tokens, eager, sdpa, module, to_torch(x_np),
                        jax.numpy.asarray(x_np))  # fmt: skip
         for mode in config.speed_modes:
             rows += _run_shape_mode(config, shape, mode, progress)

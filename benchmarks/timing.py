@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 
 import jax
+import torch
 
 __all__ = ["Timing", "block", "interleaved", "median_ms", "rotations", "time_calls"]
 
@@ -35,8 +36,12 @@ class Timing(dict):
 
 
 def block(result):
-    """Wait for every JAX array in ``result`` (torch results are ready on return)."""
-    return jax.block_until_ready(result)
+    """Wait for every JAX array in ``result``, and for torch's queued CUDA work where torch
+    runs on a GPU (``benchmarks.torch_device``; on the CPU its results are ready on return)."""
+    result = jax.block_until_ready(result)
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    return result
 
 
 def _once(fn: Callable[[], object]) -> float:

@@ -38,8 +38,9 @@ class TorchKVCache:
     def __init__(self, mha: tr.MultiHeadAttention, batch_size: int, max_length: int):
         self.mha = mha
         shape = (batch_size, mha.num_heads, max_length, mha.head_dim)  # (b, h, s, d)
-        self.keys = torch.zeros(shape)
-        self.values = torch.zeros(shape)
+        where = mha.W_query.weight.device
+        self.keys = torch.zeros(shape, device=where)
+        self.values = torch.zeros(shape, device=where)
         self.index = 0
 
     @torch.no_grad()
@@ -62,7 +63,8 @@ class TorchKVCache:
         keys, values = self.keys[:, :, :end], self.values[:, :, :end]  # (b, h, s, d)
         attn_scores = queries @ keys.transpose(2, 3)  # (b, h, n, s)
         if n > 1:  # query i (absolute start + i) must not see keys after it
-            future = torch.triu(torch.ones(n, end, dtype=torch.bool), diagonal=start + 1)
+            future = torch.ones(n, end, dtype=torch.bool, device=x.device)
+            future = torch.triu(future, diagonal=start + 1)
             attn_scores.masked_fill_(future, -torch.inf)
         attn_weights = torch.softmax(attn_scores / mha.head_dim**0.5, dim=-1)
         context_vec = (attn_weights @ values).transpose(1, 2).reshape(b, n, mha.d_out)

@@ -31,6 +31,7 @@ from benchmarks.gpt_models import count_compiles, flax_model, torch_models
 from benchmarks.prefill import format_model_rows
 from benchmarks.rows import make_row, max_diffs
 from benchmarks.timing import interleaved
+from benchmarks.torch_device import device, to_torch
 from flax_attention.models import train_step
 
 __all__ = ["LEARNING_RATE", "TOLERANCE", "WEIGHT_DECAY", "plan_calls", "run"]
@@ -49,14 +50,14 @@ def run(config, progress=None) -> list[dict]:
     batch, tokens = config.train_shape
     hf = torch_models(config, ("sdpa",), dropout=0.0)["sdpa"]
     model, _ = flax_model(hf)
-    hf.train()
+    hf.to(device()).train()
     model.train()
     ids = np.random.default_rng(0).integers(0, model.cfg["vocab_size"], (batch, tokens + 1))
     inputs, targets = (
         jax.numpy.asarray(ids[:, :-1], jax.numpy.int32),
         jax.numpy.asarray(ids[:, 1:], jax.numpy.int32),
     )
-    inputs_torch, targets_torch = torch.from_numpy(ids[:, :-1]), torch.from_numpy(ids[:, 1:])
+    inputs_torch, targets_torch = to_torch(ids[:, :-1]), to_torch(ids[:, 1:])
     optimizer = nnx.Optimizer(
         model, optax.adamw(LEARNING_RATE, weight_decay=WEIGHT_DECAY), wrt=nnx.Param
     )

@@ -4,9 +4,13 @@ slow whatever follows it)."""
 
 import itertools
 
+import jax
+import numpy as np
 import pytest
+import torch
 
-from benchmarks.timing import interleaved, median_ms, rotations
+from benchmarks import torch_device
+from benchmarks.timing import block, interleaved, median_ms, rotations
 
 
 def _followers(orders):
@@ -54,3 +58,28 @@ def test_median_ms_warms_each_callable_up_once_then_times_every_round():
     assert calls[:2] == ["a", "b"]  # the warm-up, not timed
     assert sorted(calls[2:]) == sorted("ab" * 3)
     assert set(result) == {"a", "b"} and all(ms >= 0.0 for ms in result.values())
+
+
+def test_torch_runs_on_the_cpu_beside_a_cpu_backend_and_arrays_round_trip():
+    """On CPU torch stays on the CPU (on a GPU backend it follows onto CUDA, where torch sees
+    one); the conversions keep the values and the dtype."""
+    assert jax.default_backend() == "cpu"
+    assert torch_device.device() == torch.device("cpu")
+    values = np.arange(6, dtype=np.int64).reshape(2, 3)
+    tensor = torch_device.to_torch(values)
+    assert tensor.device == torch.device("cpu") and tensor.dtype == torch.int64
+    back = torch_device.to_numpy(tensor.float().requires_grad_(True) * 2)
+    np.testing.assert_array_equal(back, values * 2)
+    assert back.dtype == np.float32
+
+
+def test_block_waits_for_jax_and_for_torch_cuda_work_once_torch_used_cuda(monkeypatch):
+    synced = []
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: synced.append(True))
+    out = block({"x": jax.numpy.ones(3)})
+    np.testing.assert_array_equal(out["x"], np.ones(3))
+    assert synced == [True]
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    block(jax.numpy.ones(3))
+    assert synced == [True]
