@@ -167,12 +167,31 @@ def _run_backend(backend, plan, workdir, quiet, skipped) -> list[harness.Row]:
             if skipped.get((label, case.name)):
                 continue
             bar.status(f"{case.name} {check} {dtype}")
-            for row in harness.run_case(case, check, backend, dtype, workdir):
+            try:
+                new = list(harness.run_case(case, check, backend, dtype, workdir))
+            except Exception as error:  # noqa: BLE001 - one row says it; the other cases still run
+                row = _error_row(case.name, label, check, dtype, error)
+                rows.append(row)
+                print(f"{case.name:<30} {label:<12} {dtype:<9} {check:<20} ERROR {row.worst}",
+                      flush=True)  # fmt: skip
+                continue
+            for row in new:
                 row.backend = label
                 rows.append(row)
                 if not quiet or not row.passed:
                     print(_format(row, label), flush=True)
     return rows
+
+
+def _error_row(case: str, label: str, check: str, dtype: str, error: Exception) -> harness.Row:
+    """A failed row for a check that raised (a compiler's refusal, say): no error measured
+    (NaN), ``worst`` the exception's type and first line."""
+    from conformance_tests import harness  # imported once torch is known to be present
+
+    first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    nan = float("nan")
+    return harness.Row(case, label, dtype, check, nan, nan, nan, nan, nan, False,
+                       worst=f"{type(error).__name__}: {first}"[:300])  # fmt: skip
 
 
 def _write_outputs(args, rows) -> None:

@@ -103,8 +103,9 @@ IMPLEMENTATIONS = (None, *typing.get_args(Implementation))
 KVLayout = Literal["shd", "hsd"]
 KV_LAYOUTS = typing.get_args(KVLayout)
 
-#: From this many score entries per head (``t * s``) ``None`` runs ``blocked`` on the CPU; below,
-#: ``reference`` is as fast and rounds exactly as torch does (measured in ``benchmarks``).
+#: From this many score entries per head (``t * s``) ``None`` runs a tiled or fused kernel; below,
+#: on every backend, ``reference``, as fast and rounding exactly as torch does (measured on the
+#: CPU in ``benchmarks``).
 BLOCKED_MIN_SCORES = 64 * 64
 
 #: With keys and values heads first (the decode cache), ``None`` runs ``native`` from this many
@@ -171,13 +172,16 @@ def select_implementation(
     - weights asked for: ``reference`` (the only one that returns them);
     - a dropout callable other than ``nnx.Dropout``, active: ``reference`` (the only one that
       applies it as it is);
+    - below ``BLOCKED_MIN_SCORES`` score entries per head, on every backend: ``reference``
+      (nothing to tile or fuse; on a GPU it also keeps clear of XLA refusing to compile the
+      fused attention's half-precision scores product, float32 accumulation at ``highest``
+      precision, when one query meets one key: "Unsupported dot precision algorithm");
     - GPU and TPU: ``xla`` (XLA's fused attention; ``cudnn`` is opt-in, it takes half
       precision only and is not yet measured here), or ``reference`` while dropout is active;
-    - CPU: from ``BLOCKED_MIN_SCORES`` score entries per head (the tiled kernels skip the causal
-      half and never materialise the scores), ``native`` where ``native.can_run`` the inputs
-      (the kernel built, queries, keys and, when given, values float32 or bfloat16;
-      ``native.why_unavailable()`` says why not), else ``blocked``; ``reference`` below the
-      threshold. An active ``nnx.Dropout`` changes nothing here: ``native`` and ``blocked``
+    - CPU: ``native`` where ``native.can_run`` the inputs (the kernel built, queries, keys
+      and, when given, values float32 or bfloat16; ``native.why_unavailable()`` says why not),
+      else ``blocked`` (the tiled kernels skip the causal half and never materialise the
+      scores). An active ``nnx.Dropout`` changes nothing here: ``native`` and ``blocked``
       apply its rate inside their tiles.
 
     Keys and values heads first (``kv_layout="hsd"``, the decode cache), on the CPU: ``native``
@@ -192,11 +196,11 @@ def select_implementation(
         return "reference"
     if _dropout_active(dropout) and not isinstance(dropout, nnx.Dropout):
         return "reference"
-    if jax.default_backend() != "cpu":
-        return "reference" if _dropout_active(dropout) else "xla"
     queries_count = queries.shape[-3]
     if queries_count * _kv_length(keys, kv_layout) < BLOCKED_MIN_SCORES:
         return "reference"
+    if jax.default_backend() != "cpu":
+        return "reference" if _dropout_active(dropout) else "xla"
     if kv_layout == "hsd" and queries_count < NATIVE_MIN_QUERIES_HSD:
         return "reference" if queries_count == 1 else "blocked"
     operands = (queries, keys) if values is None else (queries, keys, values)

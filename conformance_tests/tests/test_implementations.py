@@ -606,6 +606,23 @@ def test_keys_and_values_heads_first_give_the_same_call(implementation, name):
     _assert_all_close(expected, actual, f"{implementation} {name}")
 
 
+def test_none_on_a_gpu_or_tpu_runs_xla_from_the_tiled_kernels_bound_reference_below(monkeypatch):
+    """Off the CPU: ``xla`` (``reference`` while dropout is active); below
+    ``BLOCKED_MIN_SCORES`` scores per head ``reference`` on every backend (one query and one key
+    in float16 at ``highest`` precision: XLA's GPU compiler refused the fused attention's scores
+    product, "Unsupported dot precision algorithm: 4", jax 0.11.2 on an H100)."""
+    one, short, long = (jnp.ones((1, t, 1, 2)) for t in (1, 63, 64))
+    dropout = nnx.Dropout(0.5, rngs=nnx.Rngs(0))
+    for backend in ("gpu", "tpu"):
+        monkeypatch.setattr(jax, "default_backend", lambda backend=backend: backend)
+        assert core.select_implementation(long, long) == "xla"
+        assert core.select_implementation(long.astype(jnp.float16), long) == "xla"
+        assert core.select_implementation(one.astype(jnp.float16), one) == "reference"
+        assert core.select_implementation(short, long) == "reference"
+        assert core.select_implementation(long, long, dropout=dropout) == "reference"
+        assert core.select_implementation(one, long, kv_layout="hsd") == "reference"
+
+
 def test_none_with_keys_heads_first_reads_them_in_place():
     """Keys and values heads first (the decode cache) on the CPU: one query runs ``reference``,
     a few ``blocked`` (both read them in place), from ``NATIVE_MIN_QUERIES_HSD`` the usual

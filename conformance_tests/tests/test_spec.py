@@ -7,6 +7,7 @@ import contextlib
 import inspect
 import io
 import json
+import math
 
 import jax.numpy as jnp
 import numpy as np
@@ -358,3 +359,29 @@ def test_the_docs_list_every_whole_model_case_and_its_rows():
     assert table == [c.name for c in spec.MODEL_CASES], table
     printed = re.findall(r"^(model_\w+) +cpu +(float32|bfloat16) +(\S+) ", section, re.M)
     assert printed == MODEL_ROWS, printed
+
+
+def test_a_check_that_raises_fails_its_row_and_the_report_goes_on(monkeypatch, tmp_path, capsys):
+    """A check that cannot run (on an H100, XLA refused to compile one float16 case) is one
+    failed row naming the exception, not a traceback that ends the report."""
+    original = harness.run_case
+
+    def refusing(case, check, backend, dtype, workdir):
+        if case.name == "doc_v1_seed123":
+            raise ValueError("INVALID_ARGUMENT: Unsupported dot precision algorithm: 4\nmore")
+        return original(case, check, backend, dtype, workdir)
+
+    monkeypatch.setattr(harness, "run_case", refusing)
+    code, rows = _report(tmp_path, "--cases", "doc_v[12]_*", "--checks", "forward",
+                         "--dtype", "float32")  # fmt: skip
+    assert code == 1
+    [error] = [r for r in rows if not r["passed"]]
+    assert error["case"] == "doc_v1_seed123" and error["check"] == "forward"
+    assert error["worst"] == (
+        "ValueError: INVALID_ARGUMENT: Unsupported dot precision algorithm: 4"
+    )
+    assert math.isnan(error["max_abs_err"])
+    assert [r["passed"] for r in rows if r["case"] == "doc_v2_seed789"] == [True]
+    out = capsys.readouterr().out
+    assert "doc_v1_seed123" in out and "ERROR ValueError: INVALID_ARGUMENT" in out
+    assert "1 passed, 1 failed" in out
