@@ -20,8 +20,10 @@ baseline; dashed, the target of ``benchmarks.targets`` where there is one):
   cache / early (the row's ``ratio_of``).
 - ``generate``: ``flax_attention.models.generate``'s tokens/s / transformers'
   (``ratio_vs_eager``, ``ratio_vs_sdpa``), its tokens/s / the weight-streaming bound (target
-  ``benchmarks.targets.MODEL_TARGETS["generate b1 / bound"]``), and ms/token late / early for
-  each of the three.
+  ``benchmarks.targets.MODEL_TARGETS["generate b1 / bound"]``), ms/token late / early for
+  each of the three, and the ``dtype generate`` rows' tokens/s over Flax float32's (Flax
+  bfloat16 and int8, transformers float32 and bfloat16; target
+  ``benchmarks.targets.DTYPE_TARGETS``).
 - ``prefill``, ``train``: Flax time / transformers' (``ratio_vs_sdpa``), one panel per mode;
   target ``benchmarks.targets.MODEL_TARGETS``.
 
@@ -45,6 +47,7 @@ from benchmarks import INSTALL
 from benchmarks.targets import (
     ANNOTATED_TARGETS,
     DECODE_SPEEDUP_TARGET,
+    DTYPE_TARGETS,
     MODEL_TARGETS,
     SPEED_TARGETS,
 )
@@ -251,6 +254,18 @@ def _generate_panels(rows):
                    "flatness: time per token late in the sequence / early", ratio_of,
                    "flat", label=lambda key: {"generate": "Flax GPTModel"}.get(
                        key, f"transformers {key}"))
+        )  # fmt: skip
+    dtypes = [
+        {**r, "implementation": f"{r['framework']} {r['implementation']}", "framework": "flax"}
+        for r in _with(rows, "ratio", mode="dtype generate")
+        if (r["framework"], r["implementation"]) != ("flax", "float32")
+    ]
+    if dtypes:
+        goal = DTYPE_TARGETS["bfloat16 b1 / float32"]
+        panels.append(
+            _panel(dtypes, "ratio", "narrower weights: new tokens/s over Flax float32's",
+                   dtypes[0]["ratio_of"], "Flax float32", goal, f"bfloat16 b1 goal >= {goal:g}",
+                   label=lambda key: key.replace("flax", "Flax").replace("torch", "transformers"))
         )  # fmt: skip
     title = "Generate: flax_attention.models vs transformers generate"
     return panels, title

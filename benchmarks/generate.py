@@ -85,6 +85,8 @@ TORCH_ATTENTIONS = ("eager", "sdpa")
 #: bfloat16 (``GPTModel(dtype=param_dtype=bfloat16)``) and ``models.quantize(model, "int8")``;
 #: transformers' float32 and bfloat16 (``.to(torch.bfloat16)``) beside them.
 DTYPES = ("float32", "bfloat16", "int8")
+#: What the ``dtype generate`` rows' ``ratio`` is of.
+DTYPE_RATIO_OF = "tokens/s / Flax float32's, same batch"
 #: The ``step part`` rows, in order.
 PARTS = ("generate", "decode loop", "layers", "head", "argmax", "embeddings")
 
@@ -285,7 +287,8 @@ def _dtype_rows(config, context, batch, case, bandwidth, reader, progress):
         rows.append(
             make_row(
                 "generate", case, "dtype generate", framework, dtype, batch=batch, tokens=steps,
-                timing=timings[names[key]], value=per_s[key], unit="tokens/s", note=note,
+                timing=timings[names[key]], value=per_s[key], unit="tokens/s",
+                ratio=per_s[key] / per_s[("flax", "float32")], ratio_of=DTYPE_RATIO_OF, note=note,
             )
         )  # fmt: skip
     return rows

@@ -30,6 +30,7 @@ __all__ = [
     "ANNOTATED_TARGETS",
     "COMPILE_LIMIT_S",
     "DECODE_SPEEDUP_TARGET",
+    "DTYPE_TARGETS",
     "EAGER_SPEEDUP_MILESTONE",
     "MEMORY_LIMIT_MB",
     "MODEL_TARGETS",
@@ -57,6 +58,14 @@ MODEL_TARGETS = {
     "generate b8 / transformers": 2.5,
     "prefill / transformers": 0.9,
     "train step / transformers": 0.9,
+}
+#: Generation with narrower weights (section generate, ``dtype generate`` rows): tokens/s of the
+#: same model in bfloat16 and with int8 weights over its float32 tokens/s at batch 1, at least;
+#: and each at batch 8 over itself at batch 1, more than this.
+DTYPE_TARGETS = {
+    "bfloat16 b1 / float32": 1.7,
+    "int8 b1 / float32": 2.8,
+    "b8 / b1": 4.0,
 }
 #: How the targets rows name where each of ``MODEL_TARGETS`` comes from.
 MODEL_TARGET_SOURCE = "project goal for the model"
@@ -92,6 +101,7 @@ def target_rows(rows: list[dict]) -> list[dict]:
         add(f"{row['case']} default forward: compile < {COMPILE_LIMIT_S:g} s", row["value"], "s",
             row["value"] < COMPILE_LIMIT_S, row["case"])  # fmt: skip
     _model_targets(rows, add)
+    _dtype_targets(rows, add)
     _annotated_targets(rows, add)
     return out
 
@@ -150,6 +160,25 @@ def _model_targets(rows, add) -> None:
         for row in _find(rows, section=section, framework="flax"):
             add(f"{row['case']} {row['mode']}: time / transformers' <= {goal:g} ({source})",
                 row["ratio_vs_sdpa"], "", row["ratio_vs_sdpa"] <= goal, row["case"])  # fmt: skip
+
+
+def _dtype_targets(rows, add) -> None:
+    """The ``DTYPE_TARGETS`` rows, from Flax's ``dtype generate`` rows."""
+    source = "goal for narrower weights"
+    flax = {(r["batch"], r["implementation"]): r
+            for r in _find(rows, section="generate", mode="dtype generate", framework="flax")
+            if not r["skipped"]}  # fmt: skip
+    for dtype in ("bfloat16", "int8"):
+        row = flax.get((1, dtype))
+        if row is not None:
+            goal = DTYPE_TARGETS[f"{dtype} b1 / float32"]
+            add(f"{row['case']} {dtype} generate: >= {goal:g}x float32's tokens/s ({source})",
+                row["ratio"], "x", row["ratio"] >= goal, row["case"])  # fmt: skip
+        if row is not None and (8, dtype) in flax:
+            goal = DTYPE_TARGETS["b8 / b1"]
+            speedup = flax[8, dtype]["value"] / row["value"]
+            add(f"{dtype} generate: batch 8 > {goal:g}x batch 1's tokens/s ({source})",
+                speedup, "x", speedup > goal, flax[8, dtype]["case"])  # fmt: skip
 
 
 def _annotated_targets(rows, add) -> None:

@@ -18,6 +18,7 @@ from benchmarks.rows import make_row
 from benchmarks.targets import (
     ANNOTATED_TARGETS,
     DECODE_SPEEDUP_TARGET,
+    DTYPE_TARGETS,
     MODEL_TARGETS,
     SPEED_TARGETS,
 )
@@ -76,7 +77,7 @@ def test_memory_decode_and_generate_charts_hold_the_rows_ratios(quick_run):
     assert _bars(decode) == 3  # generate and kv_cache over recompute; generate's flatness
 
     generate = charts.chart_data(rows, "generate")
-    tokens, bound, flatness = generate.panels
+    tokens, bound, flatness, dtypes = generate.panels
     (flax,) = [r for r in _measured(rows, "generate") if r["framework"] == "flax"
                and r["mode"] == "generate"]  # fmt: skip
     assert tokens.value("eager", flax["case"]) == flax["ratio_vs_eager"]
@@ -85,9 +86,30 @@ def test_memory_decode_and_generate_charts_hold_the_rows_ratios(quick_run):
     for row in _measured(rows, "generate"):
         if row["implementation"] == "bound":
             assert bound.value("bound", row["case"]) == row["ratio"]
+        elif row["mode"] == "dtype generate":
+            name = f"{row['framework']} {row['implementation']}"
+            if name == "flax float32":
+                assert row["ratio"] == 1.0
+            else:
+                assert dtypes.value(name, row["case"]) == row["ratio"]
         elif row["ratio"] is not None:
             assert flatness.value(row["implementation"], row["case"]) == row["ratio"]
-    assert _bars(generate) == 6  # two over transformers, the bound, three flatness
+    float32 = {r["case"]: r["value"] for r in _measured(rows, "generate")
+               if r["mode"] == "dtype generate" and r["framework"] == "flax"
+               and r["implementation"] == "float32"}  # fmt: skip
+    assert dtypes.value("flax int8", flax["case"]) == pytest.approx(
+        [r for r in _measured(rows, "generate") if r["mode"] == "dtype generate"
+         and r["implementation"] == "int8"][0]["value"] / float32[flax["case"]]
+    )  # fmt: skip
+    assert dtypes.target == DTYPE_TARGETS["bfloat16 b1 / float32"]
+    assert [s.label for s in dtypes.series] == [
+        "Flax bfloat16",
+        "Flax int8",
+        "transformers float32",
+        "transformers bfloat16",
+    ]
+    # two over transformers, the bound, three flatness, four narrower weights
+    assert _bars(generate) == 10
 
     for section, key in (("prefill", "prefill / transformers"),
                          ("train", "train step / transformers")):  # fmt: skip

@@ -253,6 +253,33 @@ def test_model_targets_of_hand_made_rows():
     assert f">= {MODEL_TARGETS['generate b8 / transformers']:g}x" in text[1]
 
 
+def test_narrower_weight_targets_of_hand_made_rows():
+    """bfloat16 and int8 at batch 1 over float32 (the rows' ratio), and each at batch 8 over
+    itself at batch 1 (their tokens/s); transformers' rows and other batches set none."""
+
+    def dtype_row(batch, framework, dtype, value, ratio):
+        return make_row("generate", f"b{batch}", "dtype generate", framework, dtype,
+                        batch=batch, value=value, ratio=ratio)  # fmt: skip
+
+    rows = [
+        dtype_row(1, "flax", "float32", 40.0, 1.0),
+        dtype_row(1, "flax", "bfloat16", 68.0, 1.7),  # meets 1.7
+        dtype_row(1, "flax", "int8", 110.0, 2.75),  # under 2.8
+        dtype_row(1, "torch", "bfloat16", 500.0, 12.5),  # transformers: no goal
+        dtype_row(2, "flax", "bfloat16", 100.0, 1.9),  # batch 2: no goal
+        dtype_row(8, "flax", "bfloat16", 272.0, 1.0),  # exactly 4x b1: not more than 4x
+        dtype_row(8, "flax", "int8", 451.0, 1.5),  # 4.1x b1
+    ]
+    got = [(r["target"], r["value"], r["met"]) for r in target_rows(rows)]
+    source = "(goal for narrower weights)"
+    assert got == [
+        (f"b1 bfloat16 generate: >= 1.7x float32's tokens/s {source}", 1.7, True),
+        (f"bfloat16 generate: batch 8 > 4x batch 1's tokens/s {source}", 4.0, False),
+        (f"b1 int8 generate: >= 2.8x float32's tokens/s {source}", 2.75, False),
+        (f"int8 generate: batch 8 > 4x batch 1's tokens/s {source}", 451.0 / 110.0, True),
+    ]  # fmt: skip
+
+
 def test_layer_targets_of_hand_made_rows():
     def speed(case, tokens, mode, over_eager, over_sdpa, skipped=False):
         return make_row("speed", case, mode, "flax", "default", tokens=tokens, skipped=skipped,
