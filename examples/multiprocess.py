@@ -17,11 +17,12 @@ orbax checkpoint ``OUT/one_process.ckpt``), computes every case on one device an
 ``run`` computes the same cases on meshes of all the processes' devices (``make_mesh``), every
 process from the same seeds and files, each feeding and holding only its own share:
 
-- ``layer[<kernel>,<axes>]``: ``MultiHeadAttention`` with the ``native`` and ``blocked`` kernels
-  in train mode (dropout 0.5 from the layer's own RNG stream, placed on the mesh) on a
-  ``(data, model)`` mesh with ``Explicit`` (``jax.make_mesh``'s default) and ``Auto`` axes: the
-  output, the gradients of every parameter and of the input, and the kernel's dropout keep-mask
-  (read back through zero queries and one-hot values, an ``nnx.Dropout`` placed on the mesh);
+- ``layer[<kernel>,<axes>]``: ``MultiHeadAttention`` with the ``native`` (where it is built) and
+  ``blocked`` kernels in train mode (dropout 0.5 from the layer's own RNG stream, placed on the
+  mesh) on a ``(data, model)`` mesh with ``Explicit`` (``jax.make_mesh``'s default) and
+  ``Auto`` axes: the output, the gradients of every parameter and of the input, and the
+  kernel's dropout keep-mask (read back through zero queries and one-hot values, an
+  ``nnx.Dropout`` placed on the mesh);
 - ``decode[explicit]``: ``fa.generate``, prefill and decode steps through the placed cache;
 - ``gpt ...``: the book's ``GPTModel`` (its weights loaded into an abstract model placed by
   ``fa.shard``) trained 3 steps with ``optax.adamw`` (chapter 5's lr 4e-4, weight decay 0.1) by
@@ -57,6 +58,7 @@ from jax.sharding import PartitionSpec as P
 
 import flax_attention as fa
 from flax_attention import models
+from flax_attention.kernels import native
 from flax_attention.models.checkpoints import new_model
 from flax_attention.placement import place
 from flax_attention.sharding import data_slices, global_batch
@@ -65,7 +67,9 @@ TOL = 1e-5  # the repository's float32 forward/gradient tolerance (relative to m
 B, T, D, HEADS = 4, 8, 16, 4  # batch, tokens, features, heads: 2 heads per device on 2x2
 RATE = 0.5  # the layers' dropout in train mode
 KEEP_RATE, KEEP_SEED = 0.3, 1234  # the keep-mask read-back's dropout
-KERNELS = ("native", "blocked")
+#: The layer cases' kernels: ``native`` where it is built (``native.why_unavailable()`` says why
+#: not; a machine without a compiler still runs every other case), and ``blocked``.
+KERNELS = ("native", "blocked") if native.available() else ("blocked",)
 AXES = ("explicit", "auto")
 #: The book's model, small: one block of 4 heads (hidden 128: divides over model = 2), no
 #: query/key/value bias as in the book's GPT_CONFIG_124M (a key bias's gradient is zero in exact
