@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from flax_attention.axes import LinearAxes, spec_of
+from flax_attention.axes import LinearAxes, explicit_mesh, spec_of
 
 __all__ = [
     "NARROW_ROWS",
@@ -112,12 +112,29 @@ def _narrow_bwd(nk, residuals, d_out):
 _narrow.defvjp(_narrow_fwd, _narrow_bwd)
 
 
+def _reduced_sharding(lhs, rhs, dimension_numbers):
+    """Under an ``Explicit`` mesh, the ``out_sharding`` of ``x (..., d_in) @ w`` whose
+    contracted features are split over a mesh axis (a row-parallel product: ``out_proj``, the
+    MLP's second Linear, after the heads or hidden features were split over ``model``): the sum
+    over that axis laid out like ``x``'s leading axes, its features as ``w``'s output axis. JAX
+    cannot choose it alone (the sum could stay split); every other product's layout it infers.
+    ``None`` where there is nothing to choose."""
+    (lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch) = dimension_numbers
+    if lhs_batch or rhs_batch or rhs.ndim != 2 or tuple(lhs_contracting) != (lhs.ndim - 1,):
+        return None
+    if explicit_mesh() is None or spec_of(lhs)[-1] is None:
+        return None
+    return jax.sharding.PartitionSpec(*spec_of(lhs)[:-1], spec_of(rhs)[1 - rhs_contracting[0]])
+
+
 def rows_dot_general(lhs, rhs, dimension_numbers, precision=None, **options):
     """``jax.lax.dot_general`` for ``nnx.Linear`` and the tied head: ``x (..., d_in) @ kernel
     (d_in, d_out)`` (or ``@ table.T`` for a ``(d_out, d_in)`` table) as one ``(rows, d_in)``
     product on ``x`` flattened to rows, then reshaped back; the same numbers, and the same call
     as ``dot_general`` where the leading axes carry sharding in their type (an ``Explicit``
-    mesh), ``out_sharding`` is given, or the contraction is another one.
+    mesh), ``out_sharding`` is given, or the contraction is another one. On an ``Explicit``
+    mesh a product over features split across a mesh axis gets its ``out_sharding`` here
+    (``_reduced_sharding``), so the layers name none.
 
     Why: the kernel's gradient of the ``(b, t, d_in)`` product is a contraction over two axes,
     and XLA's CPU compiler transposes the incoming gradient for it; in a deep model that
@@ -130,6 +147,8 @@ def rows_dot_general(lhs, rhs, dimension_numbers, precision=None, **options):
     a bfloat16 or int8 matrix at its own width (XLA widens it to float32 in memory first); the
     result is float32 rounded to the product's dtype."""
     (lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch) = dimension_numbers
+    if options.get("out_sharding") is None and not jax.sharding.get_abstract_mesh().empty:
+        options["out_sharding"] = _reduced_sharding(lhs, rhs, dimension_numbers)
     plain = (
         lhs.ndim >= 2
         and rhs.ndim == 2

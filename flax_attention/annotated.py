@@ -24,7 +24,7 @@ from flax_attention._inputs import (
     check_array,
     check_projected_inputs,
 )
-from flax_attention.axes import FROM_HEADS, HEADS, TO_HEADS, constrain, out_sharding_like
+from flax_attention.axes import FROM_HEADS, HEADS, TO_HEADS, constrain
 from flax_attention.core import (
     AttentionMask,
     BlockSizes,
@@ -189,7 +189,7 @@ class MultiHeadedAttention(nnx.Module):
         out = out.reshape(*out.shape[:-2], d_model)
 
         # 4) Apply W^O to get the final output (on an explicit mesh, laid out like query)
-        return self.proj_weights[-1](out, out_sharding=out_sharding_like(out))
+        return self.proj_weights[-1](out)
 
 
 def clones(module, N):

@@ -21,7 +21,6 @@ from flax_attention.axes import (
     HEADS,
     TO_HEADS,
     constrain,
-    out_sharding_like,
 )
 from flax_attention.causal import (
     causal_attention,
@@ -144,4 +143,4 @@ class MultiHeadAttention(decode_cache.CachedLayer, nnx.Module):
         )  # (..., t, h, d)
         context_vec = context_vec.reshape(*x.shape[:-1], self.d_out)  # (..., t, d_out)
         # out_proj reduces over the heads; on an explicit mesh its result is laid out like x.
-        return self.out_proj(context_vec, out_sharding=out_sharding_like(x))  # (..., t, d_out)
+        return self.out_proj(context_vec)  # (..., t, d_out)

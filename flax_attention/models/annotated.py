@@ -73,7 +73,6 @@ from flax_attention.axes import (
     TO_HEADS,
     LinearAxes,
     lookup_sharding,
-    out_sharding_like,
 )
 from flax_attention.cache import decode_step, split_for_decode
 from flax_attention.core import Implementation
@@ -158,7 +157,7 @@ class PositionwiseFeedForward(nnx.Module):
 
     def __call__(self, x):
         hidden = self.dropout(jax.nn.relu(self.w_1(x)))  # (b, t, d_ff)
-        return self.w_2(hidden, out_sharding=out_sharding_like(x))  # (b, t, d)
+        return self.w_2(hidden)  # (b, t, d)
 
 
 class Embeddings(nnx.Module):

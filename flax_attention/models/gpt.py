@@ -50,7 +50,6 @@ from flax_attention.axes import (
     TO_HEADS,
     LinearAxes,
     lookup_sharding,
-    out_sharding_like,
 )
 from flax_attention.core import Implementation
 from flax_attention.layouts import ModelNames, Names, gpt_model_names, register
@@ -221,7 +220,7 @@ class FeedForward(nnx.Module):
 
     def __call__(self, x):
         hidden = self.layers[1](self.layers[0](x))  # (b, t, 4d)
-        return self.layers[2](hidden, out_sharding=out_sharding_like(x))  # (b, t, d)
+        return self.layers[2](hidden)  # (b, t, d)
 
 
 class TransformerBlock(nnx.Module):
