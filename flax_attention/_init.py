@@ -19,10 +19,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from flax_attention.axes import LinearAxes, explicit_mesh, spec_of
+from flax_attention.axes import LinearAxes, explicit_mesh, lookup_sharding, spec_of
 
 __all__ = [
     "NARROW_ROWS",
+    "Embed",
     "linear_factory",
     "narrow_product_ok",
     "partitioned",
@@ -125,6 +126,18 @@ def _reduced_sharding(lhs, rhs, dimension_numbers):
     if explicit_mesh() is None or spec_of(lhs)[-1] is None:
         return None
     return jax.sharding.PartitionSpec(*spec_of(lhs)[:-1], spec_of(rhs)[1 - rhs_contracting[0]])
+
+
+class Embed(nnx.Embed):
+    """``nnx.Embed`` whose lookup, on an ``Explicit`` mesh, is laid out like its ids, features
+    whole (``jnp.take`` cannot tell on its own when the ids are split over ``data``), unless
+    ``out_sharding`` is given: the models' embeddings name no layout, as the Linears name none
+    (``rows_dot_general``)."""
+
+    def __call__(self, inputs, out_sharding=None):
+        if out_sharding is None and not jax.sharding.get_abstract_mesh().empty:
+            out_sharding = lookup_sharding(inputs)
+        return super().__call__(inputs, out_sharding=out_sharding)
 
 
 def rows_dot_general(lhs, rhs, dimension_numbers, precision=None, **options):

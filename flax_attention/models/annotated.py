@@ -66,13 +66,12 @@ from flax_attention._checks import (
     check_positive_int,
     check_rate,
 )
-from flax_attention._init import linear_factory
+from flax_attention._init import Embed, linear_factory
 from flax_attention.annotated import MultiHeadedAttention, ProjectedKV
 from flax_attention.axes import (
     FROM_HEADS,
     TO_HEADS,
     LinearAxes,
-    lookup_sharding,
 )
 from flax_attention.cache import decode_step, split_for_decode
 from flax_attention.core import Implementation
@@ -164,12 +163,11 @@ class Embeddings(nnx.Module):
     """``lut(x) * sqrt(d_model)``."""
 
     def __init__(self, d_model: int, vocab: int, *, dtype=None, param_dtype=jnp.float32, rngs):
-        self.lut = nnx.Embed(vocab, d_model, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.lut = Embed(vocab, d_model, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.d_model = d_model
 
     def __call__(self, x):
-        # Explicit mesh axes: the lookup laid out like its ids (the batch over data).
-        return self.lut(x, out_sharding=lookup_sharding(x)) * math.sqrt(self.d_model)  # (b, t, d)
+        return self.lut(x) * math.sqrt(self.d_model)  # (b, t, d)
 
 
 def positional_encoding(d_model: int, max_len: int) -> np.ndarray:

@@ -43,13 +43,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from flax_attention._checks import check_bool, check_positive_int, check_rate
-from flax_attention._init import linear_factory, rows_dot_general
+from flax_attention._init import Embed, linear_factory, rows_dot_general
 from flax_attention._inputs import check_model_inputs
 from flax_attention.axes import (
     FROM_HEADS,
     TO_HEADS,
     LinearAxes,
-    lookup_sharding,
 )
 from flax_attention.core import Implementation
 from flax_attention.layouts import ModelNames, Names, gpt_model_names, register
@@ -300,7 +299,7 @@ class GPTModel(nnx.Module):
         self.cfg = Config(cfg)
         self.precision = precision
         embed = functools.partial(
-            nnx.Embed,
+            Embed,
             dtype=dtype,
             param_dtype=param_dtype,
             embedding_init=nnx.initializers.normal(1.0),
@@ -363,9 +362,8 @@ class GPTModel(nnx.Module):
             key_mask = None
         else:
             positions, key_mask = self._padding(attention_mask, in_idx, offset, decode)
-        # Explicit mesh axes: each lookup laid out like its ids (the batch over data).
-        tok_embeds = self.tok_emb(in_idx, out_sharding=lookup_sharding(in_idx))  # (b, t, d)
-        pos_embeds = self.pos_emb(positions, out_sharding=lookup_sharding(positions))
+        tok_embeds = self.tok_emb(in_idx)  # (b, t, d)
+        pos_embeds = self.pos_emb(positions)
         x = self.drop_emb(tok_embeds + pos_embeds)  # (b, t, d)
         for block in self.trf_blocks:
             x = block(x, decode=decode, mask=key_mask)  # (b, t, d)
