@@ -113,16 +113,13 @@ def _narrow_bwd(nk, residuals, d_out):
 _narrow.defvjp(_narrow_fwd, _narrow_bwd)
 
 
-def _reduced_sharding(lhs, rhs, dimension_numbers):
+def _reduced_sharding(lhs, rhs, rhs_contracting):
     """Under an ``Explicit`` mesh, the ``out_sharding`` of ``x (..., d_in) @ w`` whose
     contracted features are split over a mesh axis (a row-parallel product: ``out_proj``, the
     MLP's second Linear, after the heads or hidden features were split over ``model``): the sum
     over that axis laid out like ``x``'s leading axes, its features as ``w``'s output axis. JAX
     cannot choose it alone (the sum could stay split); every other product's layout it infers.
     ``None`` where there is nothing to choose."""
-    (lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch) = dimension_numbers
-    if lhs_batch or rhs_batch or rhs.ndim != 2 or tuple(lhs_contracting) != (lhs.ndim - 1,):
-        return None
     if explicit_mesh() is None or spec_of(lhs)[-1] is None:
         return None
     return jax.sharding.PartitionSpec(*spec_of(lhs)[:-1], spec_of(rhs)[1 - rhs_contracting[0]])
@@ -160,16 +157,20 @@ def rows_dot_general(lhs, rhs, dimension_numbers, precision=None, **options):
     a bfloat16 or int8 matrix at its own width (XLA widens it to float32 in memory first); the
     result is float32 rounded to the product's dtype."""
     (lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch) = dimension_numbers
-    if options.get("out_sharding") is None and not jax.sharding.get_abstract_mesh().empty:
-        options["out_sharding"] = _reduced_sharding(lhs, rhs, dimension_numbers)
-    plain = (
+    rows_by_matrix = (  # x (..., d_in) @ a 2-D weight, over x's last axis
         lhs.ndim >= 2
         and rhs.ndim == 2
         and not lhs_batch
         and not rhs_batch
         and tuple(lhs_contracting) == (lhs.ndim - 1,)
+    )
+    no_mesh = jax.sharding.get_abstract_mesh().empty
+    if rows_by_matrix and not no_mesh and options.get("out_sharding") is None:
+        options["out_sharding"] = _reduced_sharding(lhs, rhs, rhs_contracting)
+    plain = (
+        rows_by_matrix
         and options.get("out_sharding") is None
-        and (jax.sharding.get_abstract_mesh().empty or not any(spec_of(lhs)))
+        and (no_mesh or not any(spec_of(lhs)))
     )
     if not plain or (lhs.ndim == 2 and not narrow_product_ok(lhs.shape[0], rhs)):
         return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision, **options)
