@@ -19,9 +19,11 @@ Both kinds of mesh axes that ``jax.make_mesh`` makes are supported. ``Auto`` axe
 (``axis_types=(AxisType.Auto,) * 2``): ``constrain`` places activations with
 ``with_sharding_constraint`` and XLA propagates the rest. ``Explicit`` axes (the default of
 ``jax.make_mesh`` in jax 0.10, sharding in the types): ``constrain`` does nothing (the types
-already say where each array lives) and the few contractions over a sharded ``model`` dimension
-name their result's sharding (``out_sharding_like``); the attention core runs its kernels under
-``jax.sharding.auto_axes`` (``explicit_mesh``).
+already say where each array lives); what JAX cannot infer is chosen in three places: the
+row-parallel products' result (``_init.rows_dot_general``) and embedding lookups (``_init.Embed``),
+a relayout where two layouts meet (``features_whole``, ``laid_out_like``), and the attention
+core, which runs its kernels under ``jax.sharding.auto_axes`` (``explicit_mesh``). Each of these
+returns at its first line when no mesh is set.
 
 Putting values on devices and bringing them back (``place``, ``fetch``, a variable's partition
 spec) is ``flax_attention.placement``, the module above this one.
@@ -176,13 +178,21 @@ def explicit_mesh():
     return None
 
 
-def out_sharding_like(x, last=None):
-    """Under an ``Explicit`` mesh, ``x``'s sharding with its last dimension over ``last``
-    (``None``: replicated), for the ``out_sharding`` of a contraction whose result is laid out
-    like its input (``out_proj``: ``(b, t, d_out)`` like ``x``); ``None`` otherwise."""
+def features_whole(x: jax.Array) -> jax.Array:
+    """Under an ``Explicit`` mesh, ``x`` resharded with its last dimension replicated (before
+    concatenating heads whose features are split over ``model``: a concatenation along a split
+    dimension has no one layout); ``x`` unchanged otherwise."""
     if explicit_mesh() is None:
-        return None
-    return PartitionSpec(*spec_of(x)[:-1], last)
+        return x
+    return jax.sharding.reshard(x, PartitionSpec(*spec_of(x)[:-1], None))
+
+
+def laid_out_like(x: jax.Array, like: jax.Array) -> jax.Array:
+    """Under an ``Explicit`` mesh, ``x`` resharded to ``like``'s layout (new tokens written into
+    a decode cache); ``x`` unchanged otherwise."""
+    if explicit_mesh() is None:
+        return x
+    return jax.sharding.reshard(x, jax.typeof(like).sharding.spec)
 
 
 def lookup_sharding(ids):

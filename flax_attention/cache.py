@@ -49,7 +49,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from flax_attention._checks import check_positive_int
-from flax_attention.axes import CACHE_HEADS, ONE_HEAD, expand_axes, explicit_mesh
+from flax_attention.axes import CACHE_HEADS, ONE_HEAD, expand_axes, laid_out_like
 from flax_attention.placement import place, place_like_parameters
 
 __all__ = [
@@ -223,8 +223,7 @@ def append(cached_key, cached_value, cache_index, keys, values):
     def write(cache, new):  # only the new tokens' slots; the old ones again if no fit
         axis = cache.ndim - 2
         new = jnp.swapaxes(new, -3, -2).astype(cache.dtype)  # (..., h, n, d): n tokens only
-        if explicit_mesh() is not None:  # laid out as the cache (tokens of a replicated batch)
-            new = jax.sharding.reshard(new, jax.typeof(cache).sharding.spec)
+        new = laid_out_like(new, cache)  # on an Explicit mesh: tokens of a replicated batch
         old = jax.lax.dynamic_slice_in_dim(cache, index, num_new, axis)
         new = jnp.where(fits, new, old)
         return jax.lax.dynamic_update_slice_in_dim(cache, new, index, axis)

@@ -20,7 +20,7 @@ from flax_attention.axes import (
     ONE_HEAD,
     TO_HEADS,
     constrain,
-    out_sharding_like,
+    features_whole,
 )
 from flax_attention.core import (
     AttentionMask,
@@ -290,13 +290,6 @@ class MultiHeadAttentionWrapper(nnx.Module):
 
     def __call__(self, x: jax.Array, *, decode: bool = False) -> jax.Array:
         outs = [head(x, decode=decode) for head in self.heads]  # each (..., t, d_out)
-        # Explicit mesh axes: each head's d_out features are over "model"; gathered first, as
-        # concatenating along a sharded dimension has no one layout.
-        outs = [_gathered(out) for out in outs]
+        # On an Explicit mesh each head's d_out features are over "model": gathered first.
+        outs = [features_whole(out) for out in outs]
         return jnp.concatenate(outs, axis=-1)  # (..., t, num_heads * d_out)
-
-
-def _gathered(x):
-    """``x`` with its last dimension replicated, on an explicit mesh; ``x`` otherwise."""
-    sharding = out_sharding_like(x)
-    return x if sharding is None else jax.sharding.reshard(x, sharding)
