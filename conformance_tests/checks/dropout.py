@@ -17,7 +17,7 @@ from flax import nnx
 
 from conformance_tests.checks.grad import flax_grads, torch_grads
 from conformance_tests.compare import Row, make_row
-from conformance_tests.pairs import Subject, call_flax, named, prepare, torch_on
+from conformance_tests.pairs import Subject, call_flax, flax_forward, named, prepare, torch_on
 from conformance_tests.tolerances import tolerance
 
 __all__ = [
@@ -97,11 +97,11 @@ def check_dropout(subject: Subject, backend, dtype="float32") -> list[Row]:
     inject_dropout(tm, fm, subject.seed, rate)
     t_inputs, t_mask, f_inputs, f_mask = prepare(backend, subject.inputs, subject.mask)
     t_out, reference, cotangents = torch_grads(subject, tm, t_inputs, t_mask)
-    actual = flax_grads(subject, fm, f_inputs, f_mask, cotangents)
+    actual = flax_grads(subject, fm, f_inputs, f_mask, cotangents, jit=True)
     reference = {f"grad {k}": v for k, v in reference.items()}
     actual = {f"grad {k}": v for k, v in actual.items()}
     reference.update({f"output {k}": v for k, v in named(subject, t_out).items()})
-    f_out = call_flax(subject, fm, f_inputs, f_mask)
+    f_out = flax_forward(subject, fm, f_inputs, f_mask)
     actual.update({f"output {k}": v for k, v in named(subject, f_out).items()})
     check = "dropout/injected"
     rows = [make_row(subject.name, backend, dtype, check, reference, actual, "dropout")]

@@ -12,7 +12,16 @@ from flax import nnx
 from conformance_tests.checks.grad import flax_grads, torch_grads
 from conformance_tests.compare import Row, make_row, to_numpy
 from conformance_tests.optimisers import OPTIMIZERS
-from conformance_tests.pairs import Subject, call_flax, call_torch, prepare, rng, to_torch, torch_on
+from conformance_tests.pairs import (
+    Subject,
+    call_flax,
+    call_torch,
+    flax_forward,
+    prepare,
+    rng,
+    to_torch,
+    torch_on,
+)
 from conformance_tests.spec import is_shift_invariant
 
 __all__ = ["COMPARE_EVERY", "TRAIN_STEPS", "check_train"]
@@ -81,7 +90,7 @@ def check_train(subject: Subject, backend, dtype="float32") -> list[Row]:
         with torch.no_grad():
             reference["output"] = call_torch(subject, tm, t_inputs, t_mask)[0]
         trained = nnx.merge(graphdef, params, rest)
-        actual["output"] = call_flax(subject, trained, f_inputs, f_mask)[0]
+        actual["output"] = flax_forward(subject, trained, f_inputs, f_mask)[0]
         check = f"train/{opt_name}"
         rows.append(make_row(subject.name, backend, dtype, check, reference, actual, "train"))
     return rows + _check_shift_invariant(subject, backend, dtype)
@@ -112,7 +121,7 @@ def _check_shift_invariant(subject: Subject, backend, dtype) -> list[Row]:
     tm = torch_on(tm, backend.torch_device)
     t_inputs, t_mask, f_inputs, f_mask = prepare(backend, subject.inputs, subject.mask)
     _, t_grads, cotangents = torch_grads(subject, tm, t_inputs, t_mask)
-    f_grads = flax_grads(subject, fm, f_inputs, f_mask, cotangents)
+    f_grads = flax_grads(subject, fm, f_inputs, f_mask, cotangents, jit=True)
     reference, actual = {}, {}
     for n in names:
         zero = np.zeros(tuple(t_grads[n].shape), np.float32)
@@ -121,7 +130,7 @@ def _check_shift_invariant(subject: Subject, backend, dtype) -> list[Row]:
 
     with torch.no_grad():
         before_t = call_torch(subject, tm, t_inputs, t_mask)[0]
-    before_f = call_flax(subject, fm, f_inputs, f_mask)[0]
+    before_f = flax_forward(subject, fm, f_inputs, f_mask)[0]
     shifted = {
         n: rng(subject, f"shift/{n}").standard_normal(tuple(t_grads[n].shape)) for n in names
     }
@@ -131,7 +140,7 @@ def _check_shift_invariant(subject: Subject, backend, dtype) -> list[Row]:
             params[n].copy_(torch.from_numpy(v.astype(np.float32)))
         after_t = call_torch(subject, tm, t_inputs, t_mask)[0]
     subject.load(fm, {n: v.astype(np.float32) for n, v in shifted.items()})
-    after_f = call_flax(subject, fm, f_inputs, f_mask)[0]
+    after_f = flax_forward(subject, fm, f_inputs, f_mask)[0]
     reference.update({"output after a new key bias (torch)": before_t})
     actual.update({"output after a new key bias (torch)": after_t})
     reference.update({"output after a new key bias (flax)": before_f})
