@@ -79,8 +79,8 @@ def flax_grads(described, fm, inputs, mask, cotangents, *, jit=False) -> dict:
     """The same as ``torch_grads`` for the Flax side, parameters by torch name and layout.
 
     ``jit=True`` compiles the gradient once per layer, configuration and shape (the tests, which
-    reuse shapes); the report runs it eagerly, op by op: compiled, the summation order of
-    ``v1_wide``'s saturated-softmax gradient (a cancellation) moves its row from 0.08 to 0.85 of
+    reuse shapes, and the train and dropout checks); the ``grad`` check runs it eagerly, op by
+    op: compiled, the summation order of ``v1_wide``'s saturated-softmax gradient (a cancellation) moves its row from 0.08 to 0.85 of
     its bound (docs/conformance.md).
     """
     cotangents = [jnp.asarray(c) for c in cotangents]
