@@ -1,5 +1,5 @@
 """The ``grad`` check, and the gradients every other check takes: ``torch_grads`` and the one
-``flax_grads`` (eager, as the report runs it, or compiled once per shape for the tests)."""
+``flax_grads`` (eager, as the grad check runs it, or compiled once per shape)."""
 
 from __future__ import annotations
 
