@@ -2,9 +2,11 @@
 
 JAX fixes its device count when its backend starts, so these run in a pytest of their own:
 ``test_sharding.py`` starts it with ``XLA_FLAGS=--xla_force_host_platform_device_count=8``
-(the main pytest keeps its single device). By hand:
+and XLA's quick CPU code generation (``test_sharding.QUICK_CODEGEN``: the same programs,
+compiled in a third of the time); the main pytest keeps its single device. By hand:
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m pytest \
+    XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 \
+        --xla_cpu_use_fusion_emitters=false" python -m pytest \
         conformance_tests/tests/sharded_tests.py
 
 Meshes ``(data, model)``: (8, 1), (1, 8), (2, 4), (4, 2), each with ``Auto`` axes and with the
