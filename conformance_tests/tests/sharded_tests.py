@@ -185,6 +185,10 @@ def forward_and_grads(module, inputs, cotangent):
     return flat, compiled.as_text()
 
 
+#: A layer's output, in one compiled program (op by op, each operation would compile on its own).
+_forward = nnx.jit(lambda m, xs, extra: m(*xs, *extra))
+
+
 def native_calls(hlo: str) -> list[tuple[str, list[tuple[int, ...]]]]:
     """Every native kernel call of a compiled program's text: its target (forward or backward)
     and its operands' shapes (from the custom call's ``operand_layout_constraints``)."""
@@ -281,12 +285,14 @@ def _caches(module) -> dict:
     }
 
 
+_decode_step = nnx.jit(lambda m, x: m(x, decode=True))
+
+
 def _decode(module, tokens, mesh=None):
-    step = nnx.jit(lambda m, x: m(x, decode=True))
     outs = []
     for x in tokens:
         x = x if mesh is None else shard_inputs([x], mesh)[0]
-        outs.append(np.asarray(step(module, x)))
+        outs.append(np.asarray(_decode_step(module, x)))
     return np.concatenate(outs, axis=-2)  # (b, T, d_out)
 
 
@@ -304,7 +310,7 @@ def single_device_decode(name):
         reference = nnx.clone(module)
         reference.init_cache(B)
         expected = {"out": _decode(reference, tokens), **_caches(reference)}
-        full = np.asarray(module(np.concatenate(list(tokens), axis=-2)))
+        full = np.asarray(_forward(module, [np.concatenate(list(tokens), axis=-2)], []))
         _DECODE_REFERENCES[name] = (module, tokens, expected, full)
     return _DECODE_REFERENCES[name]
 
@@ -346,8 +352,11 @@ def test_decode_equals_one_device(name, shape, kind):
 # ---- the book's GPTModel (flax_attention.models): the whole model on a mesh ------------------
 
 #: A small GPTModel whose heads (4), emb_dim (32) and hidden features (128) divide the model axis.
+#: One block: its attention, MLP and norms are each laid out and checked, and its output feeds
+#: the final norm and the head as it would feed a second block; a second block would repeat the
+#: same layers and double each compilation (the slowest of this file).
 GPT_CFG = {
-    "vocab_size": 97, "context_length": 16, "emb_dim": 32, "n_heads": 4, "n_layers": 2,
+    "vocab_size": 97, "context_length": 16, "emb_dim": 32, "n_heads": 4, "n_layers": 1,
     "drop_rate": 0.0, "qkv_bias": True,
 }  # fmt: skip
 
@@ -410,7 +419,8 @@ def test_forward_and_gradients_of_the_gpt_model_equal_one_device(tied, kind):
     mesh = make_mesh((2, 4), kind=kind)
     sharded = fa.shard(nnx.clone(model), mesh)
     params = nnx.to_flat_state(nnx.state(sharded, nnx.Param))
-    assert len(params) == 2 + 2 * 16 + 2 + (not tied)  # embeddings, blocks, final norm, head
+    blocks = GPT_CFG["n_layers"] * 16
+    assert len(params) == 2 + blocks + 2 + (not tied)  # embeddings, blocks, final norm, head
     for path, variable in params:
         value = variable[...]
         assert placed_as(value, mesh, P(*gpt_axes(path))), f"{path}: {value.sharding}"
@@ -475,7 +485,9 @@ def test_the_annotated_model_on_a_mesh_equals_one_device(kind):
     attention's projections and the feed-forward's hidden features over ``model``; the decoder
     output of a padded batch, and batched greedy decoding, equal one device."""
     if "annotated" not in _GPT_REFERENCES:
-        model = annotated.make_model(13, 13, N=2, d_model=32, d_ff=64, h=8, rngs=nnx.Rngs(3))
+        # N=1: one encoder and one decoder layer hold every kind of attention (self, masked
+        # self, source) and the feed-forward; a second of each would only repeat them.
+        model = annotated.make_model(13, 13, N=1, d_model=32, d_ff=64, h=8, rngs=nnx.Rngs(3))
         model.eval()
         rng = np.random.default_rng(23)
         src, tgt = rng.integers(1, 13, (B, 7)), rng.integers(1, 13, (B, 6))
@@ -516,21 +528,20 @@ def test_train_mode_dropout_equals_one_device(name, kind):
     }[name]
     inputs = make_inputs(name)
     n = LAYERS[name][1]
-    run = nnx.jit(lambda m, xs, extra: m(*xs, *extra))
     module = make()
     if ("dropout", name) not in _REFERENCES:  # one device, train and eval mode: once a layer
         eval_mode = make()
         eval_mode.eval()
         _REFERENCES["dropout", name] = (
-            np.asarray(run(nnx.clone(module), inputs[:n], inputs[n:])),
-            np.asarray(eval_mode(*inputs)),
+            np.asarray(_forward(nnx.clone(module), inputs[:n], inputs[n:])),
+            np.asarray(_forward(eval_mode, inputs[:n], inputs[n:])),
         )
     expected, eval_out = _REFERENCES["dropout", name]
     mesh = make_mesh((2, 4), kind=kind)
     sharded = fa.shard(nnx.clone(module), mesh)
     with jax.set_mesh(mesh):
         xs = shard_inputs(inputs, mesh)
-        actual = np.asarray(run(sharded, xs[:n], xs[n:]))
+        actual = np.asarray(_forward(sharded, xs[:n], xs[n:]))
     dropped = np.abs(expected - eval_out).max()
     assert dropped > 1e-2, "dropout changed nothing"
     assert_close({"out": expected}, {"out": actual}, f"{name} train mode on 2x4 ({kind})")
@@ -539,15 +550,14 @@ def test_train_mode_dropout_equals_one_device(name, kind):
 @pytest.mark.parametrize("names", [("data",), ("model",)], ids=_id)
 def test_a_mesh_without_model_or_data_counts_it_as_size_one(names):
     name = "MultiHeadAttention"
-    module, inputs, _, _ = single_device(name)
-    expected = np.asarray(module(*inputs))
+    module, inputs, _, reference = single_device(name)
     mesh = make_mesh((8,), names)
     sharded = fa.shard(nnx.clone(module), mesh)
     kernel = sharded.W_query.kernel[...]
     assert placed_as(kernel, mesh, P(None, None) if names == ("data",) else P(None, "model"))
     with jax.set_mesh(mesh):
-        out = np.asarray(nnx.jit(lambda m, x: m(x))(sharded, shard_inputs(inputs, mesh)[0]))
-    np.testing.assert_allclose(out, expected, atol=TOL)
+        out = np.asarray(_forward(sharded, shard_inputs(inputs, mesh), []))
+    np.testing.assert_allclose(out, reference["out"], atol=TOL)
 
 
 @pytest.mark.parametrize("kind", AXIS_TYPES)
@@ -614,14 +624,13 @@ def test_orbax_restores_a_checkpoint_onto_another_mesh(name, source, target, kin
         assert got[...].sharding.mesh.devices.shape == tuple(target), label
         assert placed_as(got[...], mesh_b, P(*expected_axes(path))), label
     on_b = fa.shard(nnx.clone(original), mesh_b)
-    run = nnx.jit(lambda m, xs, extra: m(*xs, *extra))
     with jax.set_mesh(mesh_b):
         xs_b = shard_inputs(inputs, mesh_b)
-        out_restored = np.asarray(run(fresh, xs_b[:n], xs_b[n:]))
-        out_original = np.asarray(run(on_b, xs_b[:n], xs_b[n:]))
+        out_restored = np.asarray(_forward(fresh, xs_b[:n], xs_b[n:]))
+        out_original = np.asarray(_forward(on_b, xs_b[:n], xs_b[n:]))
     with jax.set_mesh(mesh_a):
         xs_a = shard_inputs(inputs, mesh_a)
-        out_a = np.asarray(run(on_a, xs_a[:n], xs_a[n:]))
+        out_a = np.asarray(_forward(on_a, xs_a[:n], xs_a[n:]))
     np.testing.assert_array_equal(out_restored, out_original)
     np.testing.assert_allclose(out_restored, out_a, atol=TOL)
 
