@@ -98,6 +98,8 @@ LAYERS = {
 EVERY_MESH = ("MultiHeadAttention", "MultiHeadedAttention", "CausalAttention")
 EVERY_MESH += ("MultiHeadAttentionWrapper",)
 MULTI_HEAD = ("MultiHeadAttention", "MultiHeadedAttention")
+#: One head, no output projection: the output keeps its ``d_out`` features over ``model``.
+SINGLE_HEAD = ("CausalAttention", "SelfAttention_v1", "SelfAttention_v2")
 DECODERS = ("MultiHeadAttention", "CausalAttention", "MultiHeadAttentionWrapper")
 
 #: What the partition metadata must say, by the parameter's last two path parts.
@@ -125,6 +127,13 @@ def expected_axes(path: tuple) -> tuple:
     if path[-1] == "bias":
         return (None,) if reduces else ("model",)
     return COLUMN  # SelfAttention_v1's raw (d_in, d_out) matrices
+
+
+def expected_out_axes(name) -> tuple:
+    """Where a layer's output ``(b, t, d_out)`` goes on an ``Explicit`` mesh (its type): rows over
+    ``data``; the features whole, gathered by ``out_proj``'s all-reduce or, in the wrapper, before
+    its heads are concatenated; a single head's over ``model``, like its projections."""
+    return ("data", None, "model" if name in SINGLE_HEAD else None)
 
 
 def make_mesh(shape, names=("data", "model"), kind="auto"):
@@ -257,14 +266,19 @@ def single_device(name):
 @pytest.mark.parametrize(("name", "shape", "kind"), LAYER_CASES, ids=_id)
 def test_forward_and_gradients_equal_one_device(name, shape, kind):
     """Forward and the gradients of every parameter and input equal one device; every
-    parameter sits where its metadata says; the multi-head layers' compiled forward and backward
-    have no all-gather (q/k/v stay split by heads; only ``out_proj`` reduces over ``model``)."""
+    parameter sits where its metadata says; on ``Explicit`` axes the output is typed as
+    ``expected_out_axes`` says (``Auto`` axes leave its layout to XLA); the multi-head layers'
+    compiled forward and backward have no all-gather (q/k/v stay split by heads; only
+    ``out_proj`` reduces over ``model``)."""
     module, inputs, cotangent, reference = single_device(name)
     mesh = make_mesh(shape, kind=kind)
     sharded = fa.shard(nnx.clone(module), mesh)
     with jax.set_mesh(mesh):
         actual, hlo = forward_and_grads(sharded, shard_inputs(inputs, mesh), cotangent)
     assert_close(reference, actual, f"{name} on {_id(shape)} ({kind})")
+    if kind == "explicit":
+        want, got = P(*expected_out_axes(name)), actual["out"].sharding
+        assert placed_as(actual["out"], mesh, want), f"output laid out as {got.spec}, not {want}"
 
     for path, variable in nnx.to_flat_state(nnx.state(sharded, nnx.Param)):
         label = ".".join(map(str, path))
@@ -288,12 +302,16 @@ def _caches(module) -> dict:
 _decode_step = nnx.jit(lambda m, x: m(x, decode=True))
 
 
-def _decode(module, tokens, mesh=None):
+def _decode(module, tokens, mesh=None, first_whole=False):
+    """The ``tokens`` steps through the decode cache: outputs ``(b, T, d_out)``. On ``mesh``
+    the tokens are split over ``data``; ``first_whole``: the first step's as NumPy instead (a
+    replicated batch, which the cache write lays out as the cache)."""
     outs = []
-    for x in tokens:
-        x = x if mesh is None else shard_inputs([x], mesh)[0]
+    for i, x in enumerate(tokens):
+        if mesh is not None and not (first_whole and i == 0):
+            x = shard_inputs([x], mesh)[0]
         outs.append(np.asarray(_decode_step(module, x)))
-    return np.concatenate(outs, axis=-2)  # (b, T, d_out)
+    return np.concatenate(outs, axis=-2)
 
 
 _DECODE_REFERENCES: dict = {}
@@ -322,7 +340,9 @@ def test_decode_equals_one_device(name, shape, kind):
     """Token-by-token decode equals one-device decode (outputs and the caches themselves),
     which equals the full causal pass; the caches sit on the mesh by heads (one head: its
     ``d_out`` features over ``model``), the index replicated. Half the meshes shard the layer
-    before ``init_cache`` (the cache follows the parameters), half after (``shard`` places it)."""
+    before ``init_cache`` (the cache follows the parameters), half after (``shard`` places it).
+    On ``Explicit`` axes the first step's tokens come as NumPy, a replicated batch (its keys and
+    values are relaid as the cache before they are written), the others split over ``data``."""
     module, tokens, expected, full = single_device_decode(name)
     np.testing.assert_allclose(expected["out"], full, atol=TOL, err_msg="decode vs full pass")
 
@@ -344,7 +364,7 @@ def test_decode_equals_one_device(name, shape, kind):
             want = CACHE_SPEC
         assert placed_as(value, mesh, want), f"{'.'.join(map(str, path))}: {value.sharding}"
     with jax.set_mesh(mesh):
-        actual = {"out": _decode(sharded, tokens, mesh)}
+        actual = {"out": _decode(sharded, tokens, mesh, first_whole=kind == "explicit")}
     actual.update(_caches(sharded))
     assert_close(expected, actual, f"{name} decode on {_id(shape)} ({kind})")
 
