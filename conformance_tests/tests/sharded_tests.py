@@ -2,9 +2,11 @@
 
 JAX fixes its device count when its backend starts, so these run in a pytest of their own:
 ``test_sharding.py`` starts it with ``XLA_FLAGS=--xla_force_host_platform_device_count=8``
-(the main pytest keeps its single device). By hand:
+and XLA's quick CPU code generation (``test_sharding.QUICK_CODEGEN``: the same programs,
+compiled in a third of the time); the main pytest keeps its single device. By hand:
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m pytest \
+    XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 \
+        --xla_cpu_use_fusion_emitters=false" python -m pytest \
         conformance_tests/tests/sharded_tests.py
 
 Meshes ``(data, model)``: (8, 1), (1, 8), (2, 4), (4, 2), each with ``Auto`` axes and with the
@@ -96,6 +98,8 @@ LAYERS = {
 EVERY_MESH = ("MultiHeadAttention", "MultiHeadedAttention", "CausalAttention")
 EVERY_MESH += ("MultiHeadAttentionWrapper",)
 MULTI_HEAD = ("MultiHeadAttention", "MultiHeadedAttention")
+#: One head, no output projection: the output keeps its ``d_out`` features over ``model``.
+SINGLE_HEAD = ("CausalAttention", "SelfAttention_v1", "SelfAttention_v2")
 DECODERS = ("MultiHeadAttention", "CausalAttention", "MultiHeadAttentionWrapper")
 
 #: What the partition metadata must say, by the parameter's last two path parts.
@@ -123,6 +127,13 @@ def expected_axes(path: tuple) -> tuple:
     if path[-1] == "bias":
         return (None,) if reduces else ("model",)
     return COLUMN  # SelfAttention_v1's raw (d_in, d_out) matrices
+
+
+def expected_out_axes(name) -> tuple:
+    """Where a layer's output ``(b, t, d_out)`` goes on an ``Explicit`` mesh (its type): rows over
+    ``data``; the features whole, gathered by ``out_proj``'s all-reduce or, in the wrapper, before
+    its heads are concatenated; a single head's over ``model``, like its projections."""
+    return ("data", None, "model" if name in SINGLE_HEAD else None)
 
 
 def make_mesh(shape, names=("data", "model"), kind="auto"):
@@ -181,6 +192,10 @@ def forward_and_grads(module, inputs, cotangent):
     for path, value in nnx.to_flat_state(g_params):
         flat["grad " + ".".join(str(p) for p in path)] = value[...]
     return flat, compiled.as_text()
+
+
+#: A layer's output, in one compiled program (op by op, each operation would compile on its own).
+_forward = nnx.jit(lambda m, xs, extra: m(*xs, *extra))
 
 
 def native_calls(hlo: str) -> list[tuple[str, list[tuple[int, ...]]]]:
@@ -251,14 +266,19 @@ def single_device(name):
 @pytest.mark.parametrize(("name", "shape", "kind"), LAYER_CASES, ids=_id)
 def test_forward_and_gradients_equal_one_device(name, shape, kind):
     """Forward and the gradients of every parameter and input equal one device; every
-    parameter sits where its metadata says; the multi-head layers' compiled forward and backward
-    have no all-gather (q/k/v stay split by heads; only ``out_proj`` reduces over ``model``)."""
+    parameter sits where its metadata says; on ``Explicit`` axes the output is typed as
+    ``expected_out_axes`` says (``Auto`` axes leave its layout to XLA); the multi-head layers'
+    compiled forward and backward have no all-gather (q/k/v stay split by heads; only
+    ``out_proj`` reduces over ``model``)."""
     module, inputs, cotangent, reference = single_device(name)
     mesh = make_mesh(shape, kind=kind)
     sharded = fa.shard(nnx.clone(module), mesh)
     with jax.set_mesh(mesh):
         actual, hlo = forward_and_grads(sharded, shard_inputs(inputs, mesh), cotangent)
     assert_close(reference, actual, f"{name} on {_id(shape)} ({kind})")
+    if kind == "explicit":
+        want, got = P(*expected_out_axes(name)), actual["out"].sharding
+        assert placed_as(actual["out"], mesh, want), f"output laid out as {got.spec}, not {want}"
 
     for path, variable in nnx.to_flat_state(nnx.state(sharded, nnx.Param)):
         label = ".".join(map(str, path))
@@ -279,13 +299,19 @@ def _caches(module) -> dict:
     }
 
 
-def _decode(module, tokens, mesh=None):
-    step = nnx.jit(lambda m, x: m(x, decode=True))
+_decode_step = nnx.jit(lambda m, x: m(x, decode=True))
+
+
+def _decode(module, tokens, mesh=None, first_whole=False):
+    """The ``tokens`` steps through the decode cache: outputs ``(b, T, d_out)``. On ``mesh``
+    the tokens are split over ``data``; ``first_whole``: the first step's as NumPy instead (a
+    replicated batch, which the cache write lays out as the cache)."""
     outs = []
-    for x in tokens:
-        x = x if mesh is None else shard_inputs([x], mesh)[0]
-        outs.append(np.asarray(step(module, x)))
-    return np.concatenate(outs, axis=-2)  # (b, T, d_out)
+    for i, x in enumerate(tokens):
+        if mesh is not None and not (first_whole and i == 0):
+            x = shard_inputs([x], mesh)[0]
+        outs.append(np.asarray(_decode_step(module, x)))
+    return np.concatenate(outs, axis=-2)
 
 
 _DECODE_REFERENCES: dict = {}
@@ -302,7 +328,7 @@ def single_device_decode(name):
         reference = nnx.clone(module)
         reference.init_cache(B)
         expected = {"out": _decode(reference, tokens), **_caches(reference)}
-        full = np.asarray(module(np.concatenate(list(tokens), axis=-2)))
+        full = np.asarray(_forward(module, [np.concatenate(list(tokens), axis=-2)], []))
         _DECODE_REFERENCES[name] = (module, tokens, expected, full)
     return _DECODE_REFERENCES[name]
 
@@ -314,7 +340,9 @@ def test_decode_equals_one_device(name, shape, kind):
     """Token-by-token decode equals one-device decode (outputs and the caches themselves),
     which equals the full causal pass; the caches sit on the mesh by heads (one head: its
     ``d_out`` features over ``model``), the index replicated. Half the meshes shard the layer
-    before ``init_cache`` (the cache follows the parameters), half after (``shard`` places it)."""
+    before ``init_cache`` (the cache follows the parameters), half after (``shard`` places it).
+    On ``Explicit`` axes the first step's tokens come as NumPy, a replicated batch (its keys and
+    values are relaid as the cache before they are written), the others split over ``data``."""
     module, tokens, expected, full = single_device_decode(name)
     np.testing.assert_allclose(expected["out"], full, atol=TOL, err_msg="decode vs full pass")
 
@@ -336,7 +364,7 @@ def test_decode_equals_one_device(name, shape, kind):
             want = CACHE_SPEC
         assert placed_as(value, mesh, want), f"{'.'.join(map(str, path))}: {value.sharding}"
     with jax.set_mesh(mesh):
-        actual = {"out": _decode(sharded, tokens, mesh)}
+        actual = {"out": _decode(sharded, tokens, mesh, first_whole=kind == "explicit")}
     actual.update(_caches(sharded))
     assert_close(expected, actual, f"{name} decode on {_id(shape)} ({kind})")
 
@@ -344,8 +372,11 @@ def test_decode_equals_one_device(name, shape, kind):
 # ---- the book's GPTModel (flax_attention.models): the whole model on a mesh ------------------
 
 #: A small GPTModel whose heads (4), emb_dim (32) and hidden features (128) divide the model axis.
+#: One block: its attention, MLP and norms are each laid out and checked, and its output feeds
+#: the final norm and the head as it would feed a second block; a second block would repeat the
+#: same layers and double each compilation (the slowest of this file).
 GPT_CFG = {
-    "vocab_size": 97, "context_length": 16, "emb_dim": 32, "n_heads": 4, "n_layers": 2,
+    "vocab_size": 97, "context_length": 16, "emb_dim": 32, "n_heads": 4, "n_layers": 1,
     "drop_rate": 0.0, "qkv_bias": True,
 }  # fmt: skip
 
@@ -408,7 +439,8 @@ def test_forward_and_gradients_of_the_gpt_model_equal_one_device(tied, kind):
     mesh = make_mesh((2, 4), kind=kind)
     sharded = fa.shard(nnx.clone(model), mesh)
     params = nnx.to_flat_state(nnx.state(sharded, nnx.Param))
-    assert len(params) == 2 + 2 * 16 + 2 + (not tied)  # embeddings, blocks, final norm, head
+    blocks = GPT_CFG["n_layers"] * 16
+    assert len(params) == 2 + blocks + 2 + (not tied)  # embeddings, blocks, final norm, head
     for path, variable in params:
         value = variable[...]
         assert placed_as(value, mesh, P(*gpt_axes(path))), f"{path}: {value.sharding}"
@@ -473,7 +505,9 @@ def test_the_annotated_model_on_a_mesh_equals_one_device(kind):
     attention's projections and the feed-forward's hidden features over ``model``; the decoder
     output of a padded batch, and batched greedy decoding, equal one device."""
     if "annotated" not in _GPT_REFERENCES:
-        model = annotated.make_model(13, 13, N=2, d_model=32, d_ff=64, h=8, rngs=nnx.Rngs(3))
+        # N=1: one encoder and one decoder layer hold every kind of attention (self, masked
+        # self, source) and the feed-forward; a second of each would only repeat them.
+        model = annotated.make_model(13, 13, N=1, d_model=32, d_ff=64, h=8, rngs=nnx.Rngs(3))
         model.eval()
         rng = np.random.default_rng(23)
         src, tgt = rng.integers(1, 13, (B, 7)), rng.integers(1, 13, (B, 6))
@@ -514,21 +548,20 @@ def test_train_mode_dropout_equals_one_device(name, kind):
     }[name]
     inputs = make_inputs(name)
     n = LAYERS[name][1]
-    run = nnx.jit(lambda m, xs, extra: m(*xs, *extra))
     module = make()
     if ("dropout", name) not in _REFERENCES:  # one device, train and eval mode: once a layer
         eval_mode = make()
         eval_mode.eval()
         _REFERENCES["dropout", name] = (
-            np.asarray(run(nnx.clone(module), inputs[:n], inputs[n:])),
-            np.asarray(eval_mode(*inputs)),
+            np.asarray(_forward(nnx.clone(module), inputs[:n], inputs[n:])),
+            np.asarray(_forward(eval_mode, inputs[:n], inputs[n:])),
         )
     expected, eval_out = _REFERENCES["dropout", name]
     mesh = make_mesh((2, 4), kind=kind)
     sharded = fa.shard(nnx.clone(module), mesh)
     with jax.set_mesh(mesh):
         xs = shard_inputs(inputs, mesh)
-        actual = np.asarray(run(sharded, xs[:n], xs[n:]))
+        actual = np.asarray(_forward(sharded, xs[:n], xs[n:]))
     dropped = np.abs(expected - eval_out).max()
     assert dropped > 1e-2, "dropout changed nothing"
     assert_close({"out": expected}, {"out": actual}, f"{name} train mode on 2x4 ({kind})")
@@ -537,15 +570,14 @@ def test_train_mode_dropout_equals_one_device(name, kind):
 @pytest.mark.parametrize("names", [("data",), ("model",)], ids=_id)
 def test_a_mesh_without_model_or_data_counts_it_as_size_one(names):
     name = "MultiHeadAttention"
-    module, inputs, _, _ = single_device(name)
-    expected = np.asarray(module(*inputs))
+    module, inputs, _, reference = single_device(name)
     mesh = make_mesh((8,), names)
     sharded = fa.shard(nnx.clone(module), mesh)
     kernel = sharded.W_query.kernel[...]
     assert placed_as(kernel, mesh, P(None, None) if names == ("data",) else P(None, "model"))
     with jax.set_mesh(mesh):
-        out = np.asarray(nnx.jit(lambda m, x: m(x))(sharded, shard_inputs(inputs, mesh)[0]))
-    np.testing.assert_allclose(out, expected, atol=TOL)
+        out = np.asarray(_forward(sharded, shard_inputs(inputs, mesh), []))
+    np.testing.assert_allclose(out, reference["out"], atol=TOL)
 
 
 @pytest.mark.parametrize("kind", AXIS_TYPES)
@@ -612,14 +644,13 @@ def test_orbax_restores_a_checkpoint_onto_another_mesh(name, source, target, kin
         assert got[...].sharding.mesh.devices.shape == tuple(target), label
         assert placed_as(got[...], mesh_b, P(*expected_axes(path))), label
     on_b = fa.shard(nnx.clone(original), mesh_b)
-    run = nnx.jit(lambda m, xs, extra: m(*xs, *extra))
     with jax.set_mesh(mesh_b):
         xs_b = shard_inputs(inputs, mesh_b)
-        out_restored = np.asarray(run(fresh, xs_b[:n], xs_b[n:]))
-        out_original = np.asarray(run(on_b, xs_b[:n], xs_b[n:]))
+        out_restored = np.asarray(_forward(fresh, xs_b[:n], xs_b[n:]))
+        out_original = np.asarray(_forward(on_b, xs_b[:n], xs_b[n:]))
     with jax.set_mesh(mesh_a):
         xs_a = shard_inputs(inputs, mesh_a)
-        out_a = np.asarray(run(on_a, xs_a[:n], xs_a[n:]))
+        out_a = np.asarray(_forward(on_a, xs_a[:n], xs_a[n:]))
     np.testing.assert_array_equal(out_restored, out_original)
     np.testing.assert_allclose(out_restored, out_a, atol=TOL)
 
