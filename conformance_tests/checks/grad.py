@@ -80,8 +80,8 @@ def flax_grads(described, fm, inputs, mask, cotangents, *, jit=False) -> dict:
 
     ``jit=True`` compiles the gradient once per layer, configuration and shape (the tests, which
     reuse shapes, and the train and dropout checks); the ``grad`` check runs it eagerly, op by
-    op: compiled, the summation order of ``v1_wide``'s saturated-softmax gradient (a cancellation) moves its row from 0.08 to 0.85 of
-    its bound (docs/conformance.md).
+    op: compiled, the summation order of ``v1_wide``'s saturated-softmax gradient (a
+    cancellation) moves its row from 0.08 to 0.85 of its bound (docs/conformance.md).
     """
     cotangents = [jnp.asarray(c) for c in cotangents]
     if described.layer_spec.is_function:
