@@ -50,8 +50,8 @@ import numpy as np
 import torch
 from flax import nnx
 
-import flax_attention as fa
 from benchmarks.gpt_models import count_compiles
+from benchmarks.models import loaded
 from benchmarks.rows import make_row, max_diffs
 from benchmarks.timing import Timing, interleaved
 from conformance_tests import annotated_model as post
@@ -95,10 +95,12 @@ def _models(config, scale: float = 1.0):
             for name, parameter in twin.named_parameters():
                 if parameter.ndim == 2 and "lut" not in name:
                     parameter.mul_(scale)
-    model = annotated.make_model(
-        vocab, vocab, **sizes, dropout=0.1, attention_dropout=0.1, rngs=nnx.Rngs(0)
+    model = loaded(
+        lambda: annotated.make_model(
+            vocab, vocab, **sizes, dropout=0.1, attention_dropout=0.1, rngs=nnx.Rngs(0)
+        ),
+        {k: v.detach().numpy().copy() for k, v in twin.state_dict().items()},
     )
-    fa.load_state_dict(model, {k: v.detach().numpy().copy() for k, v in twin.state_dict().items()})
     return twin, model
 
 

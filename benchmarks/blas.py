@@ -26,8 +26,9 @@ The result records the CPU, the load average before and after, and each BLAS's v
 code path (OpenBLAS's core; the CPU-specific MKL libraries it loaded). Every sgemm call kind is
 checked against numpy's float64 product and every build's output and gradients against SDPA's.
 Options: ``--repeats`` (rounds; 4 makes one whole Latin square of 4 timed things), ``--shapes
-8x256,1x4096`` (kernel shapes), ``--no-kernel``, ``--json PATH``, and ``--quick``: two small
-sgemm shapes and the kernel at b1 t128, one timed call each (the smoke check the tests run).
+8x256,1x4096`` (kernel shapes), ``--no-kernel``, ``--json PATH``, ``--build-cache DIR`` (reuse
+the builds of an earlier run kept there: ``build``), and ``--quick``: two small sgemm shapes and
+the kernel at b1 t128, one timed call each (the smoke check the tests run).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import contextlib
 import ctypes
 import dataclasses
 import glob
+import hashlib
 import importlib
 import importlib.metadata
 import json
@@ -236,10 +238,21 @@ def _flags(march: str) -> list[str]:
 
 
 def build(
-    blas: Blas, source: str | pathlib.Path, workdir: pathlib.Path, stem: str, march=None
+    blas: Blas,
+    source: str | pathlib.Path,
+    workdir: pathlib.Path,
+    stem: str,
+    march=None,
+    cache: pathlib.Path | None = None,
 ) -> str:
     """Compile ``source`` (a path, or C++ text) against ``blas``'s shim into ``stem.so``;
-    ``march`` as ``FLAX_ATTENTION_MARCH`` says to ``setup.py`` (``None``: read from there)."""
+    ``march`` as ``FLAX_ATTENTION_MARCH`` says to ``setup.py`` (``None``: read from there).
+
+    ``cache``: a folder of builds kept across runs of one checkout and environment (the tests
+    keep one per test run). A build there of the same source, headers beside it, shim and
+    command (compiler, flags, include folders, link arguments; the paths of this run's files
+    aside) is returned instead of compiling again, and a new build is copied there
+    (``python -m benchmarks.blas`` and ``benchmarks.march`` build the same kernel)."""
     if march is None:
         march = os.environ.get("FLAX_ATTENTION_MARCH", "")
     shim = workdir / f"shim_{blas.name}"
@@ -256,9 +269,22 @@ def build(
 
         command += [f"-I{jax.ffi.include_dir()}"]
     command += [str(source), "-o", str(out), *blas.link]
+    cached = None
+    if cache is not None:
+        own = {str(source): "<source>", str(out): "<out>", f"-I{shim}": "-I<shim>"}
+        texts = [p.read_text() for p in (source, *sorted(source.parent.glob("*.h")))]
+        key = json.dumps([[own.get(a, a) for a in command], blas.shim, texts])
+        cached = pathlib.Path(cache) / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.so"
+        if cached.exists():
+            return str(cached)
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(f"building {stem} failed:\n{' '.join(command)}\n{done.stderr[-4000:]}")
+    if cached is not None:  # whole or absent: written beside it, then renamed
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        partial = cached.with_name(f"{cached.stem}.{os.getpid()}.partial")
+        shutil.copyfile(out, partial)
+        os.replace(partial, cached)
     return str(out)
 
 
@@ -345,10 +371,13 @@ def _mkl_code_path() -> list[str]:
     return sorted(n for n in names if n.split(".so")[0].removeprefix("libmkl_") in kinds)
 
 
-def time_sgemm(blases, workdir, shapes, repeats, rng) -> list[dict]:
-    """Median seconds per call of each (op, shape), the BLAS taken round-robin."""
+def time_sgemm(blases, workdir, shapes, repeats, rng, cache=None) -> list[dict]:
+    """Median seconds per call of each (op, shape), the BLAS taken round-robin (``cache``:
+    ``build``'s)."""
     timers = {
-        blas.name: SgemmTimer(build(blas, _BENCH_SOURCE, workdir, f"sgemm_{blas.name}"))
+        blas.name: SgemmTimer(
+            build(blas, _BENCH_SOURCE, workdir, f"sgemm_{blas.name}", cache=cache)
+        )
         for blas in blases
     }
     for blas in blases:
@@ -424,10 +453,11 @@ def _compile(fn, args, names, backward: bool) -> object:
     return lowered.compile()
 
 
-def time_kernel(blases, workdir, shapes, repeats) -> list[dict]:
+def time_kernel(blases, workdir, shapes, repeats, cache=None) -> list[dict]:
     """Each build's forward and forward+backward, with torch SDPA in the same round-robin. The
     kernel's products go through each build's BLAS (``native_attention(..., products="blas")``):
-    on AVX-512 CPUs it would otherwise run its own micro-kernel in every build."""
+    on AVX-512 CPUs it would otherwise run its own micro-kernel in every build. ``cache``:
+    ``build``'s."""
     import jax
     import jax.numpy as jnp
     import torch
@@ -446,7 +476,7 @@ def time_kernel(blases, workdir, shapes, repeats) -> list[dict]:
     names = {}
     for blas in blases:
         names[blas.name] = _register(
-            blas.name, build(blas, KERNEL_SOURCE, workdir, f"kernel_{blas.name}")
+            blas.name, build(blas, KERNEL_SOURCE, workdir, f"kernel_{blas.name}", cache=cache)
         )
 
     def forward(q, k, v, *, targets):
@@ -535,8 +565,10 @@ def run(
     kernel=True,
     kernel_shapes=None,
     workdir=None,
+    build_cache=None,
 ) -> dict:
-    """Measure; the result as a dict (``machine``, ``blas``, ``sgemm`` and ``kernel`` rows)."""
+    """Measure; the result as a dict (``machine``, ``blas``, ``sgemm`` and ``kernel`` rows).
+    ``build_cache``: a folder of builds to reuse and add to (``build``'s ``cache``)."""
     blases = [openblas32()]
     if openblas64_dir or not quick:  # the quick check needs only the one that is installed
         with contextlib.suppress(ImportError):
@@ -558,12 +590,14 @@ def run(
         folder = pathlib.Path(workdir or scratch)
         folder.mkdir(parents=True, exist_ok=True)
         sgemm_shapes = QUICK_SGEMM_SHAPES if quick else SGEMM_SHAPES
-        result["sgemm"] = time_sgemm(blases, folder, sgemm_shapes, 1 if quick else repeats, rng)
+        result["sgemm"] = time_sgemm(blases, folder, sgemm_shapes, 1 if quick else repeats, rng,
+                                     build_cache)  # fmt: skip
         result["blas"] = {b.name: {"qualifies": b.qualifies, **b.info} for b in blases}
         if kernel:
             built = [b for b in blases if b.name != "blis"]  # reference sgemm only
             shapes = kernel_shapes or (QUICK_KERNEL_SHAPES if quick else KERNEL_SHAPES)
-            result["kernel"] = time_kernel(built, folder, shapes, 1 if quick else repeats)
+            result["kernel"] = time_kernel(built, folder, shapes, 1 if quick else repeats,
+                                           build_cache)  # fmt: skip
     result["machine"]["load_after"] = _load()
     return result
 
@@ -604,6 +638,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--no-kernel", action="store_true", help="sgemm only")
     parser.add_argument("--shapes", help="kernel shapes as BxT,BxT (default 8x256,8x1024,1x4096)")
     parser.add_argument("--json", metavar="PATH", help="also write the result as JSON")
+    parser.add_argument(
+        "--build-cache", metavar="DIR", help="reuse the builds kept in DIR, and keep new ones"
+    )
     args = parser.parse_args(argv)
     import torch
 
@@ -617,6 +654,7 @@ def main(argv=None) -> dict:
         kernel=not args.no_kernel,
         kernel_shapes=args.shapes
         and [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")],
+        build_cache=args.build_cache,
     )
     _print(result)
     if args.json:

@@ -50,8 +50,10 @@ class Config:
     memory_tokens: tuple[int, ...] = (4096, 8192, 32768)
     memory_reference_max_tokens: int = 8192  # Flax reference (materialises (h, t, t) scores)
     memory_eager_max_tokens: int = 4096  # torch eager (same; t = 8192: docs/performance.md)
-    #: A training step with dropout (default implementation and ``blocked``) at these t.
+    #: A training step with dropout at these t, of these implementations (``default``: what
+    #: ``None`` picks).
     memory_train_tokens: tuple[int, ...] = (8192,)
+    memory_train_implementations: tuple[str, ...] = ("default", "blocked")
     #: Measurement subprocesses at a time. RSS is per process, so concurrency changes only the
     #: call times, which this section reports for information; the full run keeps 1.
     memory_jobs: int = 1
@@ -117,6 +119,7 @@ QUICK = Config(
     memory_reference_max_tokens=0,
     memory_eager_max_tokens=0,
     memory_train_tokens=(256,),
+    memory_train_implementations=("default",),  # each measurement is a process of its own
     memory_jobs=2,
     decode_batches=(2,),
     decode_prompt=4,
@@ -128,12 +131,15 @@ QUICK = Config(
     compile_shape=(1, 64),
     compile_repeats=1,
     compile_implementations=("default",),
-    gpt_model={"n_layer": 2, "n_head": 2, "n_embd": 32, "vocab_size": 101, "n_positions": 64},
+    # One layer: every program of the whole model compiles its layers unrolled.
+    gpt_model={"n_layer": 1, "n_head": 2, "n_embd": 32, "vocab_size": 101, "n_positions": 64},
     generate_batches=(2,),
     generate_prompt=4,
     generate_steps=8,
     generate_repeats=1,
-    generate_flat_steps=2,
+    # steps - 1: the step parts' cache (prompt + steps - 1 slots) is then the early flatness
+    # loop's (prompt + flat steps), so that loop and its prefill compile once for both.
+    generate_flat_steps=7,
     bandwidth_mb=64,
     bandwidth_reads=1,
     bandwidth_repeats=2,
@@ -144,7 +150,10 @@ QUICK = Config(
     parts_shape=(2, 16),
     parts_repeats=1,
     annotated_model={"V": 11, "N": 1, "d_model": 32, "d_ff": 64, "h": 4},
-    annotated_train_rows=8,
+    # One row: the dropout masks of the training step are then (h, t, s) and (t, d), not
+    # (rows, h, t, s) and (rows, t, d); XLA's CPU backend unrolls its random-bit loops over
+    # every small dimension, so a row less compiles that step in about two thirds of the time.
+    annotated_train_rows=1,
     annotated_decode_shape=(2, 8),
     annotated_max_len=8,
     annotated_repeats=1,

@@ -140,7 +140,7 @@ def _flatness_rows(config, module, batch, max_length, row, progress):
     rows, per_token = [], {}
     for position in config.decode_flat_positions:
         module.init_cache(batch, max_length)
-        module(random_input(batch, position, seed=4), decode=True)  # advance the cache (eager)
+        _advance(module, random_input(batch, position, seed=4))
         snapshot = jax.tree.map(lambda a: a, nnx.state(module, nnx.Cache))  # a copy
         fa.generate(module, one, flat - 1)  # compile (once: same shapes at every position)
         _tick(progress)
@@ -161,6 +161,13 @@ def _flatness_rows(config, module, batch, max_length, row, progress):
     rows[-1]["ratio"] = per_token[late] / per_token[early]
     rows[-1]["ratio_of"] = f"ms/token at position {late} / at {early}"
     return rows
+
+
+@nnx.jit
+def _advance(module, x):
+    """The cache advanced by ``x``'s tokens, ``(b, t, d_in)``, in one compiled program (run
+    eagerly, each of the layer's operations would compile on its own, at each position)."""
+    module(x, decode=True)
 
 
 def _jit_forward(graphdef):

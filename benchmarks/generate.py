@@ -69,6 +69,7 @@ from benchmarks.gpt_models import (
     torch_models,
     weight_bytes,
 )
+from benchmarks.models import loaded
 from benchmarks.rows import make_row
 from benchmarks.timing import Timing, interleaved
 from benchmarks.torch_device import device, to_numpy, to_torch
@@ -221,10 +222,12 @@ def _dtype_models(context) -> dict:
     weights), transformers float32 and bfloat16."""
     if "dtype models" not in context:
         model = context["model"]
-        bf16 = GPTModel(
-            dict(model.cfg), rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16
+        bf16 = loaded(
+            lambda: GPTModel(
+                dict(model.cfg), rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16
+            ),
+            fa.state_dict(model),
         )
-        fa.load_state_dict(bf16, fa.state_dict(model))
         torch_bf16 = copy.deepcopy(context["models"]["sdpa"]).to(torch.bfloat16)
         context["dtype models"] = {
             ("flax", "float32"): model,

@@ -8,7 +8,10 @@ registers each build's FFI targets under their own names, traces the package's
 ``native_attention`` with each (``benchmarks.blas``), and times the two interleaved round-robin
 in one process, forward and forward+backward, causal, GPT-2 small's 12 heads of 64, float32.
 Prints each median, portable / native, and the largest difference between the two builds'
-outputs and gradients. Options: ``--repeats``, ``--shapes 8x1024,1x4096``, ``--json PATH``.
+outputs and gradients. Options: ``--repeats``, ``--shapes 8x1024,1x4096``, ``--json PATH``,
+``--build-cache DIR`` (reuse the builds kept there, ``benchmarks.blas.build``: a ``python -m
+benchmarks.blas`` run with ``FLAX_ATTENTION_MARCH=native`` and the same folder leaves the
+``native`` one).
 """
 
 from __future__ import annotations
@@ -26,8 +29,9 @@ from benchmarks.timing import median_ms
 BUILDS = {"portable": "", "native": "native"}  # name -> FLAX_ATTENTION_MARCH
 
 
-def run(shapes=bench.KERNEL_SHAPES, repeats=20) -> dict:
-    """``{"machine", "rows"}``: per shape and pass, each build's median and their ratio."""
+def run(shapes=bench.KERNEL_SHAPES, repeats=20, build_cache=None) -> dict:
+    """``{"machine", "rows"}``: per shape and pass, each build's median and their ratio
+    (``build_cache``: ``benchmarks.blas.build``'s ``cache``)."""
     import jax
     import jax.numpy as jnp
 
@@ -53,7 +57,8 @@ def run(shapes=bench.KERNEL_SHAPES, repeats=20) -> dict:
     with tempfile.TemporaryDirectory(prefix="flax_attention_march_") as scratch:
         names = {}
         for name, march in BUILDS.items():
-            path = bench.build(blas, bench.KERNEL_SOURCE, pathlib.Path(scratch), name, march)
+            path = bench.build(blas, bench.KERNEL_SOURCE, pathlib.Path(scratch), name, march,
+                               build_cache)  # fmt: skip
             names[name] = bench._register(f"march_{name}", path)
         for batch, tokens in shapes:
             rng = np.random.default_rng(0)
@@ -96,11 +101,14 @@ def main(argv=None) -> dict:
     parser.add_argument("--repeats", type=int, default=20, help="rounds of both builds")
     parser.add_argument("--shapes", help="BxT,BxT (default 8x256,8x1024,1x4096)")
     parser.add_argument("--json", metavar="PATH", help="also write the result as JSON")
+    parser.add_argument(
+        "--build-cache", metavar="DIR", help="reuse the builds kept in DIR, and keep new ones"
+    )
     args = parser.parse_args(argv)
     shapes = bench.KERNEL_SHAPES
     if args.shapes:
         shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]
-    result = run(shapes, args.repeats)
+    result = run(shapes, args.repeats, args.build_cache)
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(result, indent=1))
     return result

@@ -1,7 +1,8 @@
 """Section ``memory``: peak RSS growth of one forward at batch 1, one fresh subprocess each;
-and of one training step with dropout 0.1 (``memory_train_tokens``; Flax only, the default
-implementation and ``blocked``: forward and backward through ``nnx.value_and_grad`` of
-``sum(y**2)``, the layer in train mode, so dropout runs inside the tiled kernels' tiles).
+and of one training step with dropout 0.1 (``memory_train_tokens``; Flax only, the
+``memory_train_implementations``: the default implementation and ``blocked``; forward and
+backward through ``nnx.value_and_grad`` of ``sum(y**2)``, the layer in train mode, so dropout
+runs inside the tiled kernels' tiles).
 
 Each measurement runs ``python -m benchmarks.memory WORKER_JSON`` in a new process that imports
 one framework, builds the module (random weights: memory does not depend on their values) and the
@@ -41,8 +42,6 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 HEADS = 12
 #: Dropout rate of the training-step measurement.
 TRAIN_DROPOUT = 0.1
-#: Implementations whose training step is measured (``default``: what ``None`` picks).
-TRAIN_IMPLEMENTATIONS = ("default", "blocked")
 #: Timeout of one measurement subprocess (s).
 TIMEOUT_S = 900
 
@@ -214,7 +213,7 @@ def _plan(config):
             plan.append(("torch", "eager", tokens, "forward"))
         plan.append(("torch", "sdpa", tokens, "forward"))
     for tokens in config.memory_train_tokens:
-        plan += [("flax", impl, tokens, "train") for impl in TRAIN_IMPLEMENTATIONS]
+        plan += [("flax", impl, tokens, "train") for impl in config.memory_train_implementations]
     return plan
 
 

@@ -7,12 +7,14 @@ weights.
 - ``TorchKVCache``: a decode loop for the torch module (projected keys/values appended per step,
   each new query attends to the cache), the torch counterpart of ``flax_attention.generate``.
 - ``make_modules``: the torch modules and the Flax module holding the torch weights.
+- ``loaded``: a Flax module holding given weights, built without drawing the ones it replaces.
 
 Shape legend: ``b`` batch, ``t`` tokens, ``h`` heads, ``d`` head_dim, ``s`` cached tokens.
 """
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import torch
 from flax import nnx
@@ -26,6 +28,7 @@ __all__ = [
     "GPT2",
     "SDPAMultiHeadAttention",
     "TorchKVCache",
+    "loaded",
     "make_modules",
     "torch_generate",
 ]
@@ -61,10 +64,25 @@ def make_modules(context_length: int = GPT2["context_length"], seed: int = 0):
     weights = eager.state_dict()
     sdpa.load_state_dict(weights)
     eager.to(device()), sdpa.to(device())
-    module = fa.MultiHeadAttention(*args, qkv_bias=config["qkv_bias"], rngs=nnx.Rngs(seed))
-    fa.load_state_dict(module, {k: to_numpy(v) for k, v in weights.items()})
+    module = loaded(
+        lambda: fa.MultiHeadAttention(*args, qkv_bias=config["qkv_bias"], rngs=nnx.Rngs(seed)),
+        {k: to_numpy(v) for k, v in weights.items()},
+    )
     module.eval()
     return eager, sdpa, module
+
+
+def loaded(make, state_dict):
+    """``make()``'s module holding ``state_dict`` (``flax_attention.load_state_dict``, strict),
+    the same as ``make()`` followed by the load, but its parameters are never drawn: the module
+    is built abstract (``nnx.eval_shape``) and only its other state (RNG streams, buffers) is
+    computed, as ``flax_attention.models.checkpoints.new_model`` does for a checkpoint. Drawing
+    weights that the load replaces would compile an initialiser per parameter shape."""
+    module = nnx.eval_shape(make)
+    # Only the rest of the state comes out of this jit, so XLA drops every parameter's initialiser.
+    nnx.update(module, jax.jit(lambda: nnx.state(make(), nnx.Not(nnx.Param)))())
+    fa.load_state_dict(module, state_dict)
+    return module
 
 
 def random_input(batch: int, tokens: int, d_in: int = GPT2["d_in"], seed: int = 0):

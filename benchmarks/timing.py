@@ -12,11 +12,11 @@ one other callable.
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 from collections.abc import Callable
 
 import jax
-import torch
 
 __all__ = ["Timing", "block", "interleaved", "median_ms", "rotations", "time_calls"]
 
@@ -37,9 +37,12 @@ class Timing(dict):
 
 def block(result):
     """Wait for every JAX array in ``result``, and for torch's queued CUDA work where torch
-    runs on a GPU (``benchmarks.torch_device``; on the CPU its results are ready on return)."""
+    runs on a GPU (``benchmarks.torch_device``; on the CPU its results are ready on return).
+    Where torch was never imported there is none (``benchmarks.march`` times JAX alone, and
+    does not import it)."""
     result = jax.block_until_ready(result)
-    if torch.cuda.is_initialized():
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
         torch.cuda.synchronize()
     return result
 
