@@ -1,5 +1,6 @@
 """The ``grad`` check, and the gradients every other check takes: ``torch_grads`` and the one
-``flax_grads`` (eager, as the grad check runs it, or compiled once per shape)."""
+``flax_grads`` (compiled with XLA's fusion off, as the grad check runs it, or compiled once per
+shape)."""
 
 from __future__ import annotations
 
@@ -69,6 +70,18 @@ def _param_grads(described, graphdef, params, rest, inputs, mask, cotangents):
     return g_params, dict(zip(floats, g_inputs))
 
 
+#: The grad check's compilation: XLA's fusion passes off (the CPU's ``fusion``, the GPU's
+#: ``priority-fusion``), so each operation is a kernel of its own and rounds its result to the
+#: dtype, as op-by-op (eager) execution does, in one compilation instead of one per operation.
+UNFUSED = {"xla_disable_hlo_passes": "fusion,priority-fusion"}
+
+
+def _unfused_param_grads(described, graphdef, params, rest, inputs, mask, cotangents):
+    run = jax.jit(functools.partial(_param_grads, described, graphdef))
+    compiled = run.lower(params, rest, inputs, mask, cotangents).compile(UNFUSED)
+    return compiled(params, rest, inputs, mask, cotangents)
+
+
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
 def _jit_param_grads(layer, call_args, graphdef, params, rest, inputs, mask, cotangents):
     described = Subject("jit", layer, None, [], call_args=call_args)
@@ -79,9 +92,11 @@ def flax_grads(described, fm, inputs, mask, cotangents, *, jit=False) -> dict:
     """The same as ``torch_grads`` for the Flax side, parameters by torch name and layout.
 
     ``jit=True`` compiles the gradient once per layer, configuration and shape (the tests, which
-    reuse shapes, and the train and dropout checks); the ``grad`` check runs it eagerly, op by
-    op: compiled, the summation order of ``v1_wide``'s saturated-softmax gradient (a
-    cancellation) moves its row from 0.08 to 0.85 of its bound (docs/conformance.md).
+    reuse shapes, and the train and dropout checks). Without it, as the ``grad`` check runs, it
+    is compiled for this call with XLA's fusion off (``UNFUSED``): each operation rounds on its
+    own, as op by op. Fused, the rounding of ``v1_wide``'s saturated-softmax gradient (a
+    cancellation) moves its row from 0.08 to 0.85 of its bound (docs/conformance.md). A
+    function's gradient runs op by op.
     """
     cotangents = [jnp.asarray(c) for c in cotangents]
     if described.layer_spec.is_function:
@@ -96,7 +111,7 @@ def flax_grads(described, fm, inputs, mask, cotangents, *, jit=False) -> dict:
             layer, call_args, graphdef, params, rest, list(inputs), mask, cotangents
         )
     else:
-        g_params, g_inputs = _param_grads(
+        g_params, g_inputs = _unfused_param_grads(
             described, graphdef, params, rest, list(inputs), mask, cotangents
         )
     grads = {f"input.{i}": g for i, g in g_inputs.items()}

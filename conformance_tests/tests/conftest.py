@@ -23,8 +23,9 @@ its share of the cores.
 
 The test run keeps one JAX persistent compilation cache (``jax_compilation_cache_dir``, every
 program however quickly it compiled), new for each run, in this run's temporary directory, shared
-by the xdist workers: the harness builds a new ``jit`` for each case and check, and the report's
-checks run op by op, so many programs are ones this worker or the other has compiled already;
+by the xdist workers: the harness builds a new ``jit`` for each case and check, and eager
+operations compile one program each, so many programs are ones this worker or the other has
+compiled already;
 they are then loaded, not compiled again (what runs is the same executable). JAX writes an entry
 in place without a lock (its lock comes with a size limit, whose every write scans the
 directory): an entry read half-written fails to decompress, and JAX warns and compiles the

@@ -6,8 +6,8 @@ Two levels:
    the Flax layer, the layer switched to ``xla`` or ``blocked`` (``MultiHeadedAttention`` with
    ``keep_attention_score=False``: only ``reference`` returns weights), outputs and gradients
    compared with torch through the harness, under the spec's float32 tolerances, each side
-   compiled as one program (as a user's ``jit`` runs it; the report's rows run op by op, in
-   ``test_spec.py``). ``blocked``
+   compiled as one program (as a user's ``jit`` runs it; the report's gradient rows compile with
+   XLA's fusion off, in ``test_spec.py``). ``blocked``
    runs with 4-token tiles (``BlockSizes(4, 4)``, passed as an argument) so the documents' 6 and
    7 tokens cross several tiles and end in a partial one.
 2. The core function on the shapes the layers do not reach: one token, cross lengths, a key
