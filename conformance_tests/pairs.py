@@ -121,7 +121,7 @@ def build_pair(
     dropout_seed=None,
     mesh=None,
     distinct_clones: bool = False,
-    abstract: bool = False,
+    draws: bool = False,
 ):
     """torch makes the weights from ``case.seed``; both sides load them from one safetensors file.
 
@@ -131,9 +131,11 @@ def build_pair(
     For the tests: ``workdir=None`` hands the weights over in memory (``load_state_dict``)
     instead of through a file; ``distinct_clones`` re-initialises the sublayers that the torch
     constructor deep-copies (``LayerSpec.equal_clones``: the annotated-transformer post's four
-    projections start equal), so each has its own weights; ``abstract`` builds the Flax side with
-    ``nnx.eval_shape`` (no initialisation to compile: every weight comes from torch; eval only,
-    its dropout has no key to draw from).
+    projections start equal), so each has its own weights.
+
+    The Flax side is built with ``nnx.eval_shape`` (nothing initialised, no random draw to
+    compile: every weight comes from torch), its dropout then without a key; ``draws=True``
+    builds it in full, for a dropout that draws its own masks.
     """
     if case.is_function:
         return getattr(tr, case.layer), getattr(fa, case.layer)
@@ -149,7 +151,9 @@ def build_pair(
     def make_flax():
         return getattr(fa, case.layer)(*args, dtype=DTYPES[dtype], rngs=nnx.Rngs(**rngs))
 
-    flax_module = nnx.eval_shape(make_flax) if abstract else make_flax()
+    flax_module = make_flax() if draws else nnx.eval_shape(make_flax)
+    if mesh is not None:  # before the load, which then places each weight where it goes
+        fa.shard(flax_module, mesh)
     if workdir is None:
         state = {k: v.numpy() for k, v in torch_module.state_dict().items()}
         fa.load_state_dict(flax_module, state, strict=True)
@@ -158,8 +162,6 @@ def build_pair(
         torch_save_file(torch_module.state_dict(), path)
         fa.load_file(flax_module, path, strict=True)
     flax_module.eval()
-    if mesh is not None:
-        fa.shard(flax_module, mesh)
     return torch_module, flax_module
 
 
@@ -292,8 +294,9 @@ class Subject:
       name: the report's ``case`` column; with ``seed`` it seeds the cotangents, targets and
         perturbations (``rng``).
       layer_spec: how to call both sides (``layers.LayerSpec``).
-      make_pair: ``(*, dtype="float32", dropout=None, dropout_seed=None, mesh=None) ->
-        (torch_module, flax_module)``: a fresh pair with the same weights, in eval mode.
+      make_pair: ``(*, dtype="float32", dropout=None, dropout_seed=None, mesh=None,
+        draws=False) -> (torch_module, flax_module)``: a fresh pair with the same weights, in
+        eval mode; ``draws``: the Flax side's dropout can draw its own masks.
       inputs: the positional inputs (float32 NumPy; integer ones, token ids, stay integers and
         get no gradient).
       mask: the caller's mask (``1`` = attend) or ``None``.

@@ -249,7 +249,7 @@ def _pair_maker(torch_module, flax_module, reference_dtype: str):
     """``Subject.make_pair`` for a user's pair: fresh copies, the torch one in float64 when the
     reference is; the Flax one sharded over ``mesh`` when given."""
 
-    def make_pair(*, dtype="float32", dropout=None, dropout_seed=None, mesh=None):
+    def make_pair(*, dtype="float32", dropout=None, dropout_seed=None, mesh=None, draws=False):
         if dtype != "float32" or dropout is not None or dropout_seed is not None:
             raise ValueError("a user's pair runs in float32 at its own dropout rate")
         reference = copy.deepcopy(torch_module).eval()

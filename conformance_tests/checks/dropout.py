@@ -126,7 +126,7 @@ DROPOUT_DRAWS = 64
 
 
 def _dropout_statistics(subject: Subject, backend, f_inputs, f_mask, rate, dtype) -> Row:
-    _, fm = subject.make_pair(dropout=rate, mesh=backend.mesh)
+    _, fm = subject.make_pair(dropout=rate, mesh=backend.mesh, draws=True)
     fm.eval()
     eval_out = np.asarray(call_flax(subject, fm, f_inputs, f_mask)[0], np.float64)
     fm.train()
@@ -157,7 +157,9 @@ def _dropout_statistics(subject: Subject, backend, f_inputs, f_mask, rate, dtype
 
     # the same nnx.Rngs seed reproduces the draw; another seed does not
     def draw(seed):
-        _, module = subject.make_pair(dropout=rate, dropout_seed=seed, mesh=backend.mesh)
+        _, module = subject.make_pair(
+            dropout=rate, dropout_seed=seed, mesh=backend.mesh, draws=True
+        )
         module.train()
         return np.asarray(call_flax(subject, module, f_inputs, f_mask)[0])
 

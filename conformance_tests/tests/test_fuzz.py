@@ -89,7 +89,7 @@ def _pair(case: spec.Case, dtype: str):
     computing in ``dtype`` with the same weights: ``harness.build_pair`` in memory, the Flax side
     an ``nnx.eval_shape`` skeleton (no initialisation: the weights come from torch), which saves
     an XLA compilation of the initialisers for every new shape."""
-    return harness.build_pair(case, None, dtype=dtype, distinct_clones=True, abstract=True)
+    return harness.build_pair(case, None, dtype=dtype, distinct_clones=True)
 
 
 def _inputs(case: spec.Case, data) -> tuple[list[np.ndarray], np.ndarray | None]:
