@@ -50,6 +50,19 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 torch.backends.cuda.matmul.allow_tf32 = False
 torch.backends.cudnn.allow_tf32 = False
 
+#: XLA flags for the processes a test starts to run many small programs across devices or
+#: processes (the 8-device sharded tests, the two-process launch): their compilations, most of
+#: their time, take about a third as long (dropout's random bits 0.2 s instead of 1.3 s). They
+#: only change how XLA's CPU backend turns the partitioned program into machine code (LLVM
+#: without its optimisation passes; the elemental emitters, XLA's default before its MLIR fusion
+#: emitters): the program itself, after sharding propagation and SPMD partitioning, is the same,
+#: so every layout, collective and custom call is what the defaults give; values may round
+#: differently, within the float32 rule those tests compare by (integer results, such as
+#: dropout's keep-masks, tokens and loaded weights, are compared bit for bit and do not depend
+#: on it). The CLI's ``--mesh`` runs with the defaults. (XLA aborts on a flag it does not know:
+#: should one go, the started process's log names it.)
+QUICK_CODEGEN = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+
 #: The pytest-xdist workers of this run (``pytest -n 2``: 2), which share the machine's cores.
 XDIST_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 #: Each worker's share of the cores (all of them without xdist).
@@ -153,17 +166,20 @@ def fresh_traces():
 
 @pytest.fixture(scope="session")
 def launch_processes():
-    """``run(command, log_dir, processes=2, devices_per_process=2, timeout=300)``: ``command``
-    as JAX processes on this machine (``flax_attention.launch``: a free localhost port as
-    coordinator, each process in its own process group, all killed when one fails or the
-    timeout passes), from the repository root with its ``flax_attention`` first on the path.
-    Fails the test with every process's log unless each exited 0; returns the ``Launch``."""
+    """``run(command, log_dir, processes=2, devices_per_process=2, timeout=300, xla_flags="")``:
+    ``command`` as JAX processes on this machine (``flax_attention.launch``: a free localhost
+    port as coordinator, each process in its own process group, all killed when one fails or the
+    timeout passes), from the repository root with its ``flax_attention`` first on the path, with
+    ``xla_flags`` as ``XLA_FLAGS`` (``QUICK_CODEGEN``, say). Fails the test with every process's
+    log unless each exited 0; returns the ``Launch``."""
     from flax_attention.launch import launch
 
-    def run(command, log_dir, processes=2, devices_per_process=2, timeout=300):
+    def run(command, log_dir, processes=2, devices_per_process=2, timeout=300, xla_flags=""):
         env = dict(os.environ)
         env["PYTHONPATH"] = str(ROOT)
         env.pop("XLA_FLAGS", None)  # the device count is the launcher's
+        if xla_flags:
+            env["XLA_FLAGS"] = xla_flags
         result = launch(
             command, processes, devices_per_process, timeout=timeout, env=env,
             log_dir=log_dir, cwd=ROOT,

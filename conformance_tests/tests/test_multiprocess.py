@@ -29,6 +29,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import flax_attention as fa
+from conformance_tests.tests.conftest import QUICK_CODEGEN
 from conformance_tests.tests.helpers import error_templates
 from flax_attention import launch as launcher
 from flax_attention.placement import place
@@ -63,17 +64,17 @@ CASES.update({"orbax 1 process -> 2": True, "orbax 2 processes -> 1": True})
 @pytest.fixture(scope="module")
 def two_processes(once_per_run, launch_processes):
     """The example's three steps: the files and the reference here (one device), ``run`` and
-    then ``multiprocess_checks.py``'s checks as 2 processes x 2 CPU devices (launched once the
-    files exist, while the reference is computed), the comparison here (written as
-    ``table.json``). Once per test run (``once_per_run``: under ``-n 2`` the other worker reads
-    the same files). Returns the table, what process 0 wrote and what each process's checks
-    saw (``[process 0's, process 1's]``)."""
+    then ``multiprocess_checks.py``'s checks as 2 processes x 2 CPU devices with XLA's quick
+    code generation (``QUICK_CODEGEN``; launched once the files exist, while the reference is
+    computed), the comparison here (written as ``table.json``). Once per test run
+    (``once_per_run``: under ``-n 2`` the other worker reads the same files). Returns the table,
+    what process 0 wrote and what each process's checks saw (``[process 0's, process 1's]``)."""
 
     def three_steps(out):
         EXAMPLE["prepare"](out)
         command = [sys.executable, CHECKS, str(out)]
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            running = pool.submit(launch_processes, command, out, 2, 2, 300)
+            running = pool.submit(launch_processes, command, out, 2, 2, 300, QUICK_CODEGEN)
             EXAMPLE["reference"](out)
             running.result()  # the launch's failure (every process's log), if it failed
         (out / "table.json").write_text(json.dumps(EXAMPLE["compare"](out)))

@@ -24,6 +24,7 @@ import jax
 import pytest
 
 from conformance_tests import cli, harness
+from conformance_tests.tests.conftest import QUICK_CODEGEN
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SHARDED_TESTS = "conformance_tests/tests/sharded_tests.py"
@@ -44,17 +45,6 @@ def group_of(test_name: str) -> str:
     if test_name.startswith("test_forward_and_gradients"):
         return "forward_grad"
     return "decode" if test_name.startswith("test_decode") else "placement"
-
-
-#: XLA flags for the inner pytest: its ~380 compilations (most of its time) take a third of
-#: the time (on 2 cores: 20 s instead of 64 s; dropout's random bits 0.2 s instead of 1.3 s).
-#: They only change how XLA's CPU backend turns the partitioned program into machine code (LLVM
-#: without its optimisation passes; the elemental emitters, XLA's default before its MLIR
-#: fusion emitters): the program itself, after sharding propagation and SPMD partitioning, is
-#: the same, so every layout, all-gather and custom-call check reads what it reads with the
-#: defaults, and the sharded and one-device sides of each comparison are built alike. (XLA
-#: aborts on a flag it does not know: should one go, the inner run's report names it.)
-QUICK_CODEGEN = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 
 
 def run_with_devices(args, n_devices=8, timeout=600, xla_flags=""):
@@ -80,7 +70,7 @@ def sharded_run(once_per_run):
         done = run_with_devices(
             ["-m", "pytest", SHARDED_TESTS, "-q", "-n", "0", "-p", "no:randomly", "-p"]
             + ["no:cacheprovider", "--junit-xml", str(out / "junit.xml")],
-            xla_flags=QUICK_CODEGEN,
+            xla_flags=QUICK_CODEGEN,  # both sides of each comparison are built in there
         )
         report = done.stdout[-8000:] + done.stderr[-2000:]
         summary = (done.stdout.strip().splitlines() or [""])[-1]
