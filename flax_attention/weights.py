@@ -534,20 +534,42 @@ def _check_alias(name, of, value: np.ndarray, repeated) -> str | None:
     return f"{name}: differs from {of} (the head is tied to the token embedding: one matrix)"
 
 
-def _assign(variable: nnx.Variable, value) -> None:
-    """Replace the variable's value whole, on its current sharding (``place``: each process of
-    a mesh spread over several reads only its own devices' slices of ``value``), committed to
-    it only if the current value was. An abstract variable (``jax.ShapeDtypeStruct``, the usual
-    skeleton to load a checkpoint into, made by ``nnx.eval_shape``) goes where its ``sharding``
-    says (``flax_attention.shard`` of the skeleton), else on this process's default device.
-    (``variable[...] = value`` compiles an XLA scatter per shape and fails on an abstract
-    module. A loaded parameter committed next to uncommitted state, a fresh optimiser's
-    moments, gave a jitted training step other argument placements on its first call than on
-    the next ones, all committed, and so two compilations.)"""
+def _placement(variable: nnx.Variable):
+    """Where ``_assign`` puts ``variable``'s new value: its current sharding (an abstract mesh's,
+    from ``nnx.eval_shape`` under ``jax.set_mesh``, on the mesh set now), or ``None`` for this
+    process's default device, uncommitted (``variable[...] = value`` compiles an XLA scatter per
+    shape and fails on an abstract module. A loaded parameter committed next to uncommitted
+    state, a fresh optimiser's moments, gave a jitted training step other argument placements on
+    its first call than on the next ones, all committed, and so two compilations.)
+
+    Raises ``ValueError`` for an abstract mesh that the mesh set now (none, or another) is not."""
     current = variable.get_value()
     sharding = getattr(current, "sharding", None)
-    uncommitted = isinstance(current, jax.Array) and not current.committed
-    if sharding is None or uncommitted:  # this process's own default device, uncommitted
+    if sharding is None or (isinstance(current, jax.Array) and not current.committed):
+        return None
+    mesh = getattr(sharding, "mesh", None)
+    if isinstance(mesh, jax.sharding.AbstractMesh):
+        concrete = jax.sharding.get_mesh()
+        if concrete.empty or concrete.abstract_mesh != mesh:
+            sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+            raise ValueError(
+                f"module's parameters are laid out on an abstract mesh {sizes} (nnx.eval_shape "
+                "under jax.set_mesh), but the mesh set now is "
+                f"{'none' if concrete.empty else dict(concrete.shape)}: load inside "
+                "`with jax.set_mesh(mesh):` for that mesh, or place the module with "
+                "flax_attention.shard(module, mesh) first"
+            )
+        sharding = jax.sharding.NamedSharding(concrete, sharding.spec)
+    return sharding
+
+
+def _assign(variable: nnx.Variable, value, sharding) -> None:
+    """Replace the variable's value whole, where ``_placement`` said (``place``: each process of
+    a mesh spread over several reads only its own devices' slices of ``value``). An abstract
+    variable (``jax.ShapeDtypeStruct``, the usual skeleton to load a checkpoint into, made by
+    ``nnx.eval_shape``) goes where its ``sharding`` says (``flax_attention.shard`` of the
+    skeleton), else on this process's default device."""
+    if sharding is None:
         variable.set_value(jnp.asarray(np.asarray(value)))
     else:
         variable.set_value(place(value, sharding))
@@ -605,8 +627,9 @@ def load_state_dict(
         if unexpected and not hint and not _lora_keys(module):
             hint = _other_layout(module, spec, targets, given)
         raise _strict_error(module, spec, prefix, missing, unexpected, problems, hint)
-    for variable, value in updates:  # all checked: written only now
-        _assign(variable, value)
+    placements = [_placement(variable) for variable, _ in updates]
+    for (variable, value), sharding in zip(updates, placements, strict=True):
+        _assign(variable, value, sharding)  # all checked: written only now
     return IncompatibleKeys(missing, unexpected, mismatched)
 
 

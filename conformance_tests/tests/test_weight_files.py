@@ -308,3 +308,37 @@ def test_nothing_in_the_project_unpickles():
         if pattern.search(line)
     ]
     assert not found, "unpickling found:\n" + "\n".join(found)
+
+
+def test_a_skeleton_built_under_a_mesh_loads_on_that_mesh_and_nowhere_else():
+    """``nnx.eval_shape`` under ``jax.set_mesh`` lays the skeleton's parameters out on an
+    abstract mesh: a load inside the same mesh places them there; outside it (or under another
+    mesh) it is a ``ValueError`` saying so, and nothing is written."""
+    import jax
+
+    real = fa.MultiHeadAttention(8, 8, 6, 0.0, 2, rngs=nnx.Rngs(0))
+    weights = fa.state_dict(real)
+    mesh = jax.make_mesh((1, 1), ("data", "model"))
+
+    def skeleton():
+        return nnx.eval_shape(lambda: fa.MultiHeadAttention(8, 8, 6, 0.0, 2, rngs=nnx.Rngs(1)))
+
+    with jax.set_mesh(mesh):
+        inside = skeleton()
+        fa.load_state_dict(inside, weights)
+    assert inside.W_query.kernel[...].sharding.mesh == mesh
+    np.testing.assert_array_equal(inside.W_query.kernel[...], real.W_query.kernel[...])
+    with jax.set_mesh(mesh):
+        outside = skeleton()
+    other = jax.make_mesh((1,), ("data",))
+    for context in (None, other):
+        with pytest.raises(
+            ValueError, match=r"abstract mesh \{'data': 1, 'model': 1\}.*jax.set_mesh"
+        ):
+            if context is None:
+                fa.load_state_dict(outside, weights)
+            else:
+                with jax.set_mesh(context):
+                    fa.load_state_dict(outside, weights)
+        values = [v.get_value() for _, v in nnx.iter_graph(outside) if isinstance(v, nnx.Param)]
+        assert all(isinstance(v, jax.ShapeDtypeStruct) for v in values)  # nothing written
