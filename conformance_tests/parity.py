@@ -247,7 +247,8 @@ def _layer_spec(torch_module, inputs, mask, options: ParityOptions) -> LayerSpec
 
 def _pair_maker(torch_module, flax_module, reference_dtype: str):
     """``Subject.make_pair`` for a user's pair: fresh copies, the torch one in float64 when the
-    reference is; the Flax one sharded over ``mesh`` when given."""
+    reference is; the Flax one sharded over ``mesh`` when given (``draws`` changes nothing: a
+    user's module is whole, its dropout can always draw)."""
 
     def make_pair(*, dtype="float32", dropout=None, dropout_seed=None, mesh=None, draws=False):
         if dtype != "float32" or dropout is not None or dropout_seed is not None:

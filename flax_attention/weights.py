@@ -542,7 +542,8 @@ def _placement(variable: nnx.Variable):
     state, a fresh optimiser's moments, gave a jitted training step other argument placements on
     its first call than on the next ones, all committed, and so two compilations.)
 
-    Raises ``ValueError`` for an abstract mesh that the mesh set now (none, or another) is not."""
+    Raises ``ValueError`` for an abstract mesh that the mesh set now (none, or another) is not,
+    or whose axes a parameter's size does not divide over."""
     current = variable.get_value()
     sharding = getattr(current, "sharding", None)
     if sharding is None or (isinstance(current, jax.Array) and not current.committed):
@@ -551,15 +552,18 @@ def _placement(variable: nnx.Variable):
     if isinstance(mesh, jax.sharding.AbstractMesh):
         concrete = jax.sharding.get_mesh()
         if concrete.empty or concrete.abstract_mesh != mesh:
-            sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+            now = "none" if concrete.empty else concrete.abstract_mesh
             raise ValueError(
-                f"module's parameters are laid out on an abstract mesh {sizes} (nnx.eval_shape "
-                "under jax.set_mesh), but the mesh set now is "
-                f"{'none' if concrete.empty else dict(concrete.shape)}: load inside "
-                "`with jax.set_mesh(mesh):` for that mesh, or place the module with "
+                f"module's parameters (laid out by nnx.eval_shape under jax.set_mesh on {mesh}) "
+                f"must be loaded under that mesh (set now: {now}): load inside "
+                "`with jax.set_mesh(mesh):`, or place the module with "
                 "flax_attention.shard(module, mesh) first"
             )
         sharding = jax.sharding.NamedSharding(concrete, sharding.spec)
+        try:  # a size that does not divide over its mesh axis: before anything is written
+            sharding.shard_shape(tuple(current.shape))
+        except ValueError as error:
+            raise ValueError(f"module's parameter {tuple(current.shape)}: {error}") from None
     return sharding
 
 

@@ -57,10 +57,10 @@ torch.backends.cudnn.allow_tf32 = False
 #: without its optimisation passes; the elemental emitters, XLA's default before its MLIR fusion
 #: emitters): the program itself, after sharding propagation and SPMD partitioning, is the same,
 #: so every layout, collective and custom call is what the defaults give; values may round
-#: differently, within the float32 rule those tests compare by (integer results, such as
-#: dropout's keep-masks, tokens and loaded weights, are compared bit for bit and do not depend
-#: on it). The CLI's ``--mesh`` runs with the defaults. (XLA aborts on a flag it does not know:
-#: should one go, the started process's log names it.)
+#: differently, within the float32 rule those tests compare by (what they compare bit for bit,
+#: random bits and copied or loaded values, does not depend on it; a greedy token would only at
+#: a near-tie of two logits). The CLI's ``--mesh`` runs with the defaults. (XLA aborts on a flag
+#: it does not know: should one go, the started process's log names it.)
 QUICK_CODEGEN = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 
 #: The pytest-xdist workers of this run (``pytest -n 2``: 2), which share the machine's cores.

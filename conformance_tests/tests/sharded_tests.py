@@ -2,7 +2,7 @@
 
 JAX fixes its device count when its backend starts, so these run in a pytest of their own:
 ``test_sharding.py`` starts it with ``XLA_FLAGS=--xla_force_host_platform_device_count=8``
-and XLA's quick CPU code generation (``test_sharding.QUICK_CODEGEN``: the same programs,
+and XLA's quick CPU code generation (``conftest.QUICK_CODEGEN``: the same programs,
 compiled in a third of the time); the main pytest keeps its single device. By hand:
 
     XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 \

@@ -74,7 +74,9 @@ def two_processes(once_per_run, launch_processes):
         EXAMPLE["prepare"](out)
         command = [sys.executable, CHECKS, str(out)]
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            running = pool.submit(launch_processes, command, out, 2, 2, 300, QUICK_CODEGEN)
+            running = pool.submit(
+                launch_processes, command, out, 2, 2, 300, xla_flags=QUICK_CODEGEN
+            )
             EXAMPLE["reference"](out)
             running.result()  # the launch's failure (every process's log), if it failed
         (out / "table.json").write_text(json.dumps(EXAMPLE["compare"](out)))
