@@ -542,8 +542,7 @@ def _placement(variable: nnx.Variable):
     state, a fresh optimiser's moments, gave a jitted training step other argument placements on
     its first call than on the next ones, all committed, and so two compilations.)
 
-    Raises ``ValueError`` for an abstract mesh that the mesh set now (none, or another) is not,
-    or whose axes a parameter's size does not divide over."""
+    Raises ``ValueError`` for an abstract mesh that the mesh set now (none, or another) is not."""
     current = variable.get_value()
     sharding = getattr(current, "sharding", None)
     if sharding is None or (isinstance(current, jax.Array) and not current.committed):
@@ -559,11 +558,9 @@ def _placement(variable: nnx.Variable):
                 "`with jax.set_mesh(mesh):`, or place the module with "
                 "flax_attention.shard(module, mesh) first"
             )
+        # The same axes and sizes as when nnx.eval_shape laid it out, which JAX refuses for a
+        # size that does not divide: every shape fits.
         sharding = jax.sharding.NamedSharding(concrete, sharding.spec)
-        try:  # a size that does not divide over its mesh axis: before anything is written
-            sharding.shard_shape(tuple(current.shape))
-        except ValueError as error:
-            raise ValueError(f"module's parameter {tuple(current.shape)}: {error}") from None
     return sharding
 
 
