@@ -14,6 +14,7 @@ random generators. Weights that must match exactly cross over with ``load_state_
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +24,7 @@ from flax_attention.axes import LinearAxes, explicit_mesh, lookup_sharding, spec
 
 __all__ = [
     "NARROW_ROWS",
+    "Dropout",
     "Embed",
     "linear_factory",
     "narrow_product_ok",
@@ -135,6 +137,52 @@ class Embed(nnx.Embed):
         if out_sharding is None and not jax.sharding.get_abstract_mesh().empty:
             out_sharding = lookup_sharding(inputs)
         return super().__call__(inputs, out_sharding=out_sharding)
+
+
+class Dropout(nnx.Dropout):
+    """``nnx.Dropout`` with the same keep-mask, drawn flat: ``bernoulli(key, 1 - rate,
+    (x.size,))`` reshaped to ``x.shape``. Threefry's bits for an element depend on the key and
+    the element's row-major index only, so these are the bits ``nnx.Dropout`` draws for
+    ``x.shape``, bit for bit; XLA's CPU backend compiles the flat draw several times faster (its
+    multi-dimensional index arithmetic is what takes long: a ``(4, 4, 8, 9)`` draw 2.8 s with
+    AVX-512 and 9.7 s with AVX2, flat 0.2 s; a 2-layer GPT's first training step 2.8 -> 2.3 s).
+
+    ``nnx.Dropout``'s own call runs where the flat draw could lay the mask out differently
+    (a mesh set, or inputs split over mesh axes), with ``broadcast_dims``, for a key of another
+    generator than Threefry, and where it draws nothing (deterministic, rate 0 or 1)."""
+
+    def __call__(self, inputs, *, deterministic=None, rngs=None):
+        deterministic = self.deterministic if deterministic is None else deterministic
+        if (
+            deterministic is not False
+            or not 0.0 < self.rate < 1.0
+            or self.broadcast_dims
+            or not _unsplit(inputs)
+        ):
+            return super().__call__(inputs, deterministic=deterministic, rngs=rngs)
+        stream = self.rngs if rngs is None else rngs
+        if isinstance(stream, nnx.Rngs):
+            stream = stream[self.rng_collection]
+        if isinstance(stream, nnx.RngStream):
+            key = stream()
+        elif isinstance(stream, jax.Array):
+            key = stream
+        else:  # nnx.Dropout's own error
+            return super().__call__(inputs, deterministic=deterministic, rngs=rngs)
+        if str(jax.random.key_impl(key)) != "threefry2x32":
+            return super().__call__(inputs, deterministic=deterministic, rngs=key)
+        keep_prob = 1.0 - self.rate
+        keep = jax.random.bernoulli(key, keep_prob, (math.prod(inputs.shape),))
+        keep = keep.reshape(inputs.shape)
+        return jax.lax.select(keep, inputs / keep_prob, jnp.zeros_like(inputs))
+
+
+def _unsplit(x) -> bool:
+    """Whether ``x`` is traced or placed with no mesh in play: none set, none in its type."""
+    if not jax.sharding.get_abstract_mesh().empty:
+        return False
+    mesh = getattr(jax.typeof(x).sharding, "mesh", None)
+    return mesh is None or mesh.empty
 
 
 def rows_dot_general(lhs, rhs, dimension_numbers, precision=None, **options):

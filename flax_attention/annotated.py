@@ -18,7 +18,7 @@ from flax_attention._checks import (
     check_positive_int,
     check_splits_over_heads,
 )
-from flax_attention._init import linear_factory, set_linear_axes
+from flax_attention._init import Dropout, linear_factory, set_linear_axes
 from flax_attention._inputs import (
     check_annotated_inputs,
     check_array,
@@ -130,7 +130,7 @@ class MultiHeadedAttention(nnx.Module):
         self.proj_weights = clones(linear(d_model, d_model, axes=TO_HEADS), 4)  # W^Q, W^K, W^V, W^O
         set_linear_axes(self.proj_weights[-1], FROM_HEADS)  # W^O reduces over the heads
         self.attention_score = nnx.data(None)
-        self.dropout = nnx.Dropout(dropout, rngs=rngs)
+        self.dropout = Dropout(dropout, rngs=rngs)
 
     def model_axis_sizes(self) -> dict[str, int]:
         """What ``flax_attention.shard`` splits over ``model``: the heads."""

@@ -14,7 +14,7 @@ from flax import nnx
 
 from flax_attention import cache as decode_cache
 from flax_attention._checks import check_dropout, check_positive_int
-from flax_attention._init import linear_factory
+from flax_attention._init import Dropout, linear_factory
 from flax_attention._inputs import check_causal_input, check_d_key
 from flax_attention.axes import (
     ONE_HEAD,
@@ -190,7 +190,7 @@ class CausalAttention(decode_cache.CachedLayer, nnx.Module):
         self.W_query = linear(d_in, d_out, use_bias=qkv_bias, axes=TO_HEADS)
         self.W_key = linear(d_in, d_out, use_bias=qkv_bias, axes=TO_HEADS)
         self.W_value = linear(d_in, d_out, use_bias=qkv_bias, axes=TO_HEADS)
-        self.dropout = nnx.Dropout(dropout, rngs=rngs)
+        self.dropout = Dropout(dropout, rngs=rngs)
         # The decode cache (``init_cache``): keys, values (..., 1, max_length, d_out), index.
         self.cached_key: nnx.Cache | None = nnx.data(None)
         self.cached_value: nnx.Cache | None = nnx.data(None)

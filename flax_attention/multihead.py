@@ -14,7 +14,7 @@ from flax import nnx
 
 from flax_attention import cache as decode_cache
 from flax_attention._checks import check_positive_int, check_splits_over_heads
-from flax_attention._init import linear_factory
+from flax_attention._init import Dropout, linear_factory
 from flax_attention._inputs import check_causal_input
 from flax_attention.axes import (
     FROM_HEADS,
@@ -94,7 +94,7 @@ class MultiHeadAttention(decode_cache.CachedLayer, nnx.Module):
         self.W_key = linear(d_in, d_out, use_bias=qkv_bias, axes=TO_HEADS)
         self.W_value = linear(d_in, d_out, use_bias=qkv_bias, axes=TO_HEADS)
         self.out_proj = linear(d_out, d_out, axes=FROM_HEADS)  # always biased, as in the documents
-        self.dropout = nnx.Dropout(dropout, rngs=rngs)
+        self.dropout = Dropout(dropout, rngs=rngs)
         # The decode cache (``init_cache``): keys, values (..., h, max_length, d), index.
         self.cached_key: nnx.Cache | None = nnx.data(None)
         self.cached_value: nnx.Cache | None = nnx.data(None)

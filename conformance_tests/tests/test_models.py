@@ -310,6 +310,23 @@ def test_sampling_is_a_function_of_the_key_and_top_k_one_is_greedy(pair):
     np.testing.assert_array_equal(sample(2, top_k=1), greedy)
 
 
+def test_greedy_generation_draws_no_random_numbers(pair, monkeypatch):
+    """Greedy, the program holds no random-number code (Threefry's ``fold_in`` per step took a
+    quarter of its compilation); sampling draws through ``fold_in``."""
+    twin, model = pair
+    prompt = PROMPTS[:1, :3]
+
+    def fold_in(*args):
+        raise AssertionError("fold_in called")
+
+    monkeypatch.setattr(jax.random, "fold_in", fold_in)
+    models.generation._generate.clear_cache()  # traced anew, under the patch
+    greedy = models.generate(model, prompt, 9, 4)
+    np.testing.assert_array_equal(greedy, _book(book_gpt.generate, twin, prompt, 9, 4))
+    with pytest.raises(AssertionError, match="fold_in called"):
+        models.generate(model, prompt, 9, 4, temperature=1.0, key=jax.random.key(0))
+
+
 #: (prompt tokens, context_size, new tokens): windows that crop after 0, 1 or several cached
 #: steps, a prompt longer than its window, and ``context_size == context_length`` run past it.
 GREEDY_CASES = [(1, 16, 20), (5, 8, 12), (7, 7, 6), (12, 8, 5), (3, 4, 9), (6, 16, 8)]

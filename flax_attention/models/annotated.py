@@ -66,7 +66,7 @@ from flax_attention._checks import (
     check_positive_int,
     check_rate,
 )
-from flax_attention._init import Embed, linear_factory
+from flax_attention._init import Dropout, Embed, linear_factory
 from flax_attention.annotated import MultiHeadedAttention, ProjectedKV
 from flax_attention.axes import (
     FROM_HEADS,
@@ -136,7 +136,7 @@ class SublayerConnection(nnx.Module):
 
     def __init__(self, size: int, dropout: float, *, dtype=None, param_dtype=jnp.float32, rngs):
         self.norm = LayerNorm(size, dtype=dtype, param_dtype=param_dtype)
-        self.dropout = nnx.Dropout(dropout, rngs=rngs)
+        self.dropout = Dropout(dropout, rngs=rngs)
 
     def __call__(self, x, sublayer):
         return x + self.dropout(sublayer(self.norm(x)))
@@ -148,7 +148,7 @@ class PositionwiseFeedForward(nnx.Module):
     def __init__(self, d_model: int, d_ff: int, dropout: float = 0.1, *, linear, rngs):
         self.w_1 = linear(d_model, d_ff, axes=TO_HEADS)
         self.w_2 = linear(d_ff, d_model, axes=FROM_HEADS)
-        self.dropout = nnx.Dropout(dropout, rngs=rngs)
+        self.dropout = Dropout(dropout, rngs=rngs)
 
     def model_axis_sizes(self) -> dict[str, int]:
         """What ``flax_attention.shard`` splits over ``model``: the hidden features."""
@@ -204,7 +204,7 @@ class PositionalEncoding(nnx.Module):
     and exported with a state dict, checked against the sinusoids when loaded)."""
 
     def __init__(self, d_model: int, dropout: float, max_len: int = 5000, *, rngs):
-        self.dropout = nnx.Dropout(dropout, rngs=rngs)
+        self.dropout = Dropout(dropout, rngs=rngs)
         self.pe = CheckedBuffer(jnp.asarray(positional_encoding(d_model, max_len)), check=_check_pe)
 
     def __call__(self, x):

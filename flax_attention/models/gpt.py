@@ -43,7 +43,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from flax_attention._checks import check_bool, check_positive_int, check_rate
-from flax_attention._init import Embed, linear_factory, rows_dot_general
+from flax_attention._init import Dropout, Embed, linear_factory, rows_dot_general
 from flax_attention._inputs import check_model_inputs
 from flax_attention.axes import (
     FROM_HEADS,
@@ -255,7 +255,7 @@ class TransformerBlock(nnx.Module):
         )
         self.norm1 = LayerNorm(cfg["emb_dim"], dtype=dtype, param_dtype=param_dtype)
         self.norm2 = LayerNorm(cfg["emb_dim"], dtype=dtype, param_dtype=param_dtype)
-        self.drop_resid = nnx.Dropout(cfg["drop_rate"], rngs=rngs)
+        self.drop_resid = Dropout(cfg["drop_rate"], rngs=rngs)
 
     def __call__(self, x, *, decode: bool = False, mask=None):
         shortcut = x
@@ -307,7 +307,7 @@ class GPTModel(nnx.Module):
         )  # torch's nn.Embedding draws from N(0, 1); replicated on a mesh
         self.tok_emb = embed(cfg["vocab_size"], cfg["emb_dim"])
         self.pos_emb = embed(cfg["context_length"], cfg["emb_dim"])
-        self.drop_emb = nnx.Dropout(cfg["drop_rate"], rngs=rngs)
+        self.drop_emb = Dropout(cfg["drop_rate"], rngs=rngs)
         self.trf_blocks = nnx.List(
             [
                 TransformerBlock(
