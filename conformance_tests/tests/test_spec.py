@@ -189,14 +189,15 @@ def test_a_leaky_causal_mask_fails_the_mask_check(monkeypatch, tmp_path):
 
 @pytest.mark.usefixtures("fresh_traces")
 def test_a_bad_dropout_scale_fails_the_dropout_check(monkeypatch, tmp_path):
-    from flax import nnx
+    from flax_attention._init import Dropout  # the layers' nnx.Dropout
 
-    original = nnx.Dropout.__call__
+    original = Dropout.__call__
 
     def unscaled(self, x, *args, **kwargs):  # drops but forgets the 1 / (1 - p)
-        return original(self, x, *args, **kwargs) * (1 - self.rate)
+        out = original(self, x, *args, **kwargs)
+        return out if self.deterministic else out * (1 - self.rate)
 
-    monkeypatch.setattr(nnx.Dropout, "__call__", unscaled)
+    monkeypatch.setattr(Dropout, "__call__", unscaled)
     code, rows = _report(tmp_path, "--cases", "doc_causal_batch", "--checks", "dropout")
     assert code == 1
     assert [r["check"] for r in rows if not r["passed"]] == ["dropout/stats"]
