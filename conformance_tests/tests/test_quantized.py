@@ -19,6 +19,7 @@ from flax_attention import models
 from flax_attention._init import NARROW_ROWS
 from flax_attention.kernels.native import narrow
 from flax_attention.models import quantized as quantized_module
+from flax_attention.models.checkpoints import new_model
 from flax_attention.models.quantized import Int8Embed, Int8Linear, Int8Weight, WeightScale
 
 CFG = {
@@ -30,6 +31,10 @@ CFG = {
     "drop_rate": 0.0,
     "qkv_bias": True,
 }
+
+#: The model's logits, compiled once per model and shape (as served; op by op, each operation
+#: would compile a program of its own).
+_logits = nnx.jit(lambda model, ids: model(jnp.asarray(ids)))
 
 needs_narrow = pytest.mark.skipif(not narrow.available(), reason=str(narrow.why_unavailable()))
 
@@ -98,7 +103,7 @@ def test_bfloat16_logits_are_as_close_to_float32_as_torchs_bfloat16_model(twin):
     """The same weights in bfloat16: the Flax model's error against float32 torch within 1.5x
     of torch's own bfloat16 model's (decode-sized and prefill-sized batches)."""
     weights = _weights(twin)
-    model = models.GPTModel(CFG, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+    model = new_model(models.GPTModel, CFG, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
     fa.load_state_dict(model, weights)
     assert IDS.size <= NARROW_ROWS < IDS_LONG.size
     for ids in (IDS, IDS_LONG):
@@ -106,7 +111,7 @@ def test_bfloat16_logits_are_as_close_to_float32_as_torchs_bfloat16_model(twin):
         twin32.load_state_dict({k: torch.from_numpy(v) for k, v in weights.items()})
         reference = _torch_logits(twin32, ids)
         torch_bf16 = _error(_torch_logits(twin32, ids, torch.bfloat16), reference)
-        flax_bf16 = _error(np.asarray(model(jnp.asarray(ids)), np.float32), reference)
+        flax_bf16 = _error(np.asarray(_logits(model, ids), np.float32), reference)
         assert flax_bf16 <= 1.5 * torch_bf16, (ids.shape, flax_bf16, torch_bf16)
 
 
@@ -117,7 +122,7 @@ def test_int8_logits_equal_the_books_model_with_the_dequantized_weights(twin, ti
     source = book_gpt.GPTModel(cfg).eval()
     if tied:
         source.out_head.weight = source.tok_emb.weight
-    model = models.GPTModel(cfg, rngs=nnx.Rngs(0))
+    model = new_model(models.GPTModel, cfg)
     weights = _weights(source)
     if tied:
         weights.pop("out_head.weight")
@@ -131,7 +136,7 @@ def test_int8_logits_equal_the_books_model_with_the_dequantized_weights(twin, ti
     book = book_gpt.GPTModel(cfg).eval()
     book.load_state_dict({k: torch.from_numpy(v) for k, v in dequantized.items()})
     for ids in (IDS, IDS_LONG):
-        got = np.asarray(quantized(jnp.asarray(ids)))
+        got = np.asarray(_logits(quantized, ids))
         assert _error(got, _torch_logits(book, ids)) <= 1e-4, ids.shape
     # the int8 weights: a quarter of the float32 bytes, and quantizing again changes nothing
     int8 = sum(x.nbytes for x in jax.tree.leaves(nnx.state(quantized, Int8Weight)))
@@ -152,7 +157,7 @@ def test_int8_logits_equal_the_books_model_with_the_dequantized_weights(twin, ti
         step = np.abs(w).max(axis=1, keepdims=True) / 127
         np.testing.assert_allclose(np.abs(value).max(axis=1, keepdims=True), 127 * step, rtol=1e-6)
         assert (np.abs(value - w) <= step / 2 * (1 + 1e-5)).all(), key
-    again = models.GPTModel(cfg, rngs=nnx.Rngs(1))
+    again = new_model(models.GPTModel, cfg)
     fa.load_state_dict(again, dequantized)
     again = models.quantize(again)
     for kind in (Int8Weight, WeightScale):
@@ -165,10 +170,10 @@ def test_int8_logits_equal_the_books_model_with_the_dequantized_weights(twin, ti
 
 
 def test_int8_generation_equals_the_dequantized_models_and_on_xla_alike(twin, monkeypatch):
-    model = models.GPTModel(CFG, rngs=nnx.Rngs(0))
+    model = new_model(models.GPTModel, CFG)
     fa.load_state_dict(model, _weights(twin))
     quantized = models.quantize(model)
-    dense = models.GPTModel(CFG, rngs=nnx.Rngs(1))
+    dense = new_model(models.GPTModel, CFG)
     fa.load_state_dict(dense, fa.state_dict(quantized))
     prompt = np.asarray(IDS, np.int32)
     tokens = np.asarray(models.generate(quantized, prompt, 6, CFG["context_length"]))
@@ -183,8 +188,8 @@ def test_int8_generation_equals_the_dequantized_models_and_on_xla_alike(twin, mo
         np.asarray(models.generate(quantized, short, 6, CFG["context_length"], prompt_bucket=1)),
         np.asarray(models.generate(dense, short, 6, CFG["context_length"], prompt_bucket=1)),
     )
-    logits = np.asarray(quantized(jnp.asarray(IDS[:, :5])))
-    assert _error(logits, np.asarray(dense(jnp.asarray(IDS[:, :5])))) <= 1e-5
+    logits = np.asarray(_logits(quantized, IDS[:, :5]))
+    assert _error(logits, np.asarray(_logits(dense, IDS[:, :5]))) <= 1e-5
 
 
 def test_quantizing_the_dequantized_weights_gives_every_scale_back():
@@ -202,7 +207,8 @@ def test_quantizing_the_dequantized_weights_gives_every_scale_back():
 
 
 def test_a_quantized_model_refuses_training_loading_and_a_second_quantization(twin):
-    model = models.GPTModel(CFG, rngs=nnx.Rngs(0))
+    model = new_model(models.GPTModel, CFG)
+    fa.load_state_dict(model, _weights(twin))
     quantized = models.quantize(model)
     ids = jnp.asarray(IDS)
     with pytest.raises(TypeError, match="quantized to int8 .* cannot be trained"):
