@@ -101,7 +101,9 @@ IDS_LONG = np.random.default_rng(2).integers(0, CFG["vocab_size"], (2, 12))  # 2
 
 def test_bfloat16_logits_are_as_close_to_float32_as_torchs_bfloat16_model(twin):
     """The same weights in bfloat16: the Flax model's error against float32 torch within 1.5x
-    of torch's own bfloat16 model's (decode-sized and prefill-sized batches)."""
+    of torch's own bfloat16 model's (decode-sized and prefill-sized batches), compiled as served
+    (XLA may keep a fusion's intermediates in float32) and, decode-sized, op by op (each
+    operation rounding to bfloat16). Measured: 0.83x and 0.71x compiled, 0.79x op by op."""
     weights = _weights(twin)
     model = new_model(models.GPTModel, CFG, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
     fa.load_state_dict(model, weights)
@@ -113,6 +115,9 @@ def test_bfloat16_logits_are_as_close_to_float32_as_torchs_bfloat16_model(twin):
         torch_bf16 = _error(_torch_logits(twin32, ids, torch.bfloat16), reference)
         flax_bf16 = _error(np.asarray(_logits(model, ids), np.float32), reference)
         assert flax_bf16 <= 1.5 * torch_bf16, (ids.shape, flax_bf16, torch_bf16)
+        if ids is IDS:
+            eager = _error(np.asarray(model(jnp.asarray(ids)), np.float32), reference)
+            assert eager <= 1.5 * torch_bf16, (ids.shape, eager, torch_bf16)
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])

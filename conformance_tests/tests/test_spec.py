@@ -195,7 +195,9 @@ def test_a_bad_dropout_scale_fails_the_dropout_check(monkeypatch, tmp_path):
 
     def unscaled(self, x, *args, **kwargs):  # drops but forgets the 1 / (1 - p)
         out = original(self, x, *args, **kwargs)
-        return out if self.deterministic else out * (1 - self.rate)
+        deterministic = kwargs.get("deterministic")
+        deterministic = self.deterministic if deterministic is None else deterministic
+        return out if deterministic else out * (1 - self.rate)
 
     monkeypatch.setattr(Dropout, "__call__", unscaled)
     code, rows = _report(tmp_path, "--cases", "doc_causal_batch", "--checks", "dropout")
