@@ -180,10 +180,7 @@ class Dropout(nnx.Dropout):
 
 def _unsplit(x) -> bool:
     """Whether ``x`` is traced or placed with no mesh in play: none set, none in its type."""
-    if not jax.sharding.get_abstract_mesh().empty:
-        return False
-    mesh = getattr(jax.typeof(x).sharding, "mesh", None)
-    return mesh is None or mesh.empty
+    return jax.sharding.get_abstract_mesh().empty and jax.typeof(x).sharding.mesh.empty
 
 
 def rows_dot_general(lhs, rhs, dimension_numbers, precision=None, **options):
