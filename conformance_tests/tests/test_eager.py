@@ -1,0 +1,148 @@
+"""What an eager call (outside ``jit``) compiles: the initialisers draw JAX's own values from a
+flat draw of a few sizes, and ``reference`` without dropout runs as one program. Both give what
+the traced path gives, which is unchanged."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import flax_attention as fa
+import flax_attention.core as core
+from flax_attention import _init
+from flax_attention.models import lora
+
+
+def _bits(x) -> np.ndarray:
+    x = np.asarray(x)
+    return x.view({2: np.uint16, 4: np.uint32}[x.dtype.itemsize])
+
+
+def _drawn_shapes(monkeypatch) -> list:
+    """The shapes ``jax.random.uniform`` is asked for from now on."""
+    shapes, original = [], jax.random.uniform
+
+    def spy(key, shape=(), *args, **kwargs):
+        shapes.append(tuple(shape))
+        return original(key, shape, *args, **kwargs)
+
+    monkeypatch.setattr(jax.random, "uniform", spy)
+    return shapes
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_initialisers_give_jax_s_values_drawn_flat(dtype, monkeypatch):
+    key = jax.random.key(7)
+    kernel_init = jax.nn.initializers.variance_scaling(1.0 / 3.0, "fan_in", "uniform")
+    expected = {  # JAX's own draws of each shape, before the spy
+        shape: (
+            jax.random.uniform(key, shape, dtype, -0.25, 0.5),
+            kernel_init(key, shape, dtype),
+            jax.random.uniform(key, shape, dtype),
+        )
+        for shape in [(3, 5), (2, 3, 4)]
+    }
+    bound = 1 / 5**0.5  # the LoRA A matrix: torch's kaiming_uniform_(a=sqrt(5)) of (r, 5)
+    lora_a = jax.random.uniform(key, (3, 5), dtype, -bound, bound)
+    shapes = _drawn_shapes(monkeypatch)
+    for shape, (bias, kernel, rand) in expected.items():
+        got = _init.uniform(key, shape, dtype, -0.25, 0.5)
+        assert got.shape == shape and got.dtype == jnp.dtype(dtype)
+        np.testing.assert_array_equal(_bits(got), _bits(bias))
+        got = _init.torch_linear_kernel_init(key, shape, dtype)
+        np.testing.assert_array_equal(_bits(got), _bits(kernel))
+        np.testing.assert_array_equal(_bits(_init.torch_rand(key, shape, dtype)), _bits(rand))
+    got = lora.torch_kaiming_uniform_a_sqrt5(key, (3, 5), dtype)
+    np.testing.assert_array_equal(_bits(got), _bits(lora_a))
+    assert shapes == [(16,)] * 3 + [(32,)] * 3 + [(16,)]  # 15 and 24 values, rounded up
+
+
+def test_the_draw_sizes_are_few_and_close():
+    sizes = {n: _init._draw_size(n) for n in (1, 2, 3, 1000, 1 << 20, (1 << 20) + 1, 50257 * 768)}
+    assert sizes == {
+        1: 1, 2: 2, 3: 4, 1000: 1024, 1 << 20: 1 << 20,
+        (1 << 20) + 1: 1179648, 50257 * 768: 41943040,
+    }  # fmt: skip
+    for n in range((1 << 20) + 1, 1 << 26, 999_983):  # above 2**20: at most an eighth more
+        assert n <= _init._draw_size(n) <= 1.125 * n
+
+
+def test_a_traced_mesh_or_other_generator_draw_is_jax_s_own(monkeypatch):
+    shapes = _drawn_shapes(monkeypatch)
+    key = jax.random.key(3)
+    jax.jit(lambda k: _init.torch_rand(k, (3, 5)))(key)  # traced
+    _init.torch_rand(jax.random.key(3, impl="rbg"), (3, 5))  # another generator
+    with jax.threefry_partitionable(False):  # values not a function of the index alone
+        _init.torch_rand(key, (3, 5))
+    with jax.set_mesh(jax.make_mesh((1,), ("data",))):
+        _init.torch_rand(key, (3, 5))
+    assert shapes == [(3, 5)] * 4
+    _init.torch_rand(key, (0, 5))  # nothing to draw
+    assert shapes[-1] == (0, 5)
+
+
+def test_a_layer_built_eagerly_equals_one_built_under_jit():
+    def build():
+        return fa.MultiHeadAttention(6, 4, 5, 0.0, 2, qkv_bias=True, rngs=nnx.Rngs(11))
+
+    eager, traced = fa.state_dict(build()), fa.state_dict(nnx.jit(build)())
+    assert list(eager) == list(traced)
+    for name in eager:
+        np.testing.assert_array_equal(_bits(eager[name]), _bits(traced[name]), err_msg=name)
+    v1 = fa.state_dict(fa.SelfAttention_v1(3, 2, rngs=nnx.Rngs(2)))
+    v1_traced = fa.state_dict(nnx.jit(lambda: fa.SelfAttention_v1(3, 2, rngs=nnx.Rngs(2)))())
+    for name in v1:
+        np.testing.assert_array_equal(_bits(v1[name]), _bits(v1_traced[name]), err_msg=name)
+
+
+def _calls(monkeypatch) -> list:
+    """Each call of the compiled ``reference`` from now on."""
+    calls, original = [], core._compiled_reference
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(core, "_compiled_reference", spy)
+    return calls
+
+
+@pytest.mark.parametrize("offset", [0, 2, "array"])
+def test_an_eager_reference_call_is_one_program_with_the_same_values(offset, monkeypatch):
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.standard_normal((2, 3, 2, 4)), jnp.float32) for _ in range(3))
+    mask = rng.random((2, 1, 3, 3)) > 0.3
+    offset = jnp.asarray(1) if offset == "array" else offset
+    kwargs = dict(is_causal=True, query_offset=offset, fill_value=-1e10)
+    traced = jax.jit(lambda q, k, v: core.dot_product_attention(q, k, v, mask, **kwargs))
+    want_out, want_weights = traced(q, k, v)
+    calls = _calls(monkeypatch)
+    out, weights = core.dot_product_attention(q, k, v, mask, **kwargs)
+    assert len(calls) == 1 and calls[0]["is_causal"] and calls[0]["fill_value"] == -1e10
+    np.testing.assert_array_equal(out, want_out)
+    np.testing.assert_array_equal(weights, want_weights)
+    with jax.disable_jit():  # operation by operation, as before
+        out, weights = core.dot_product_attention(q, k, v, mask, **kwargs)
+    np.testing.assert_allclose(out, want_out, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(weights, want_weights, rtol=1e-6, atol=1e-6)
+
+
+def test_dropout_a_trace_or_a_mesh_run_the_operations_as_they_are(monkeypatch):
+    calls = _calls(monkeypatch)
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((2, 5, 4)), jnp.float32)
+    layer = fa.MultiHeadAttention(4, 4, 5, 0.5, 2, rngs=nnx.Rngs(0))
+    layer.train()
+    layer(x)  # an active dropout: drawn eagerly from the layer's stream
+    nnx.jit(lambda m, x: m(x))(layer, x)
+    heads = x[..., None, :]  # (b, t, 1, d)
+    core.dot_product_attention(heads, heads, heads, dropout=lambda w: w)  # a callable
+    assert calls == []
+    layer.eval()
+    layer(x)  # an inactive dropout is none
+    assert len(calls) == 1
+    with jax.set_mesh(jax.make_mesh((1,), ("data",))):
+        core.dot_product_attention(heads, heads, heads)
+    assert len(calls) == 1
