@@ -32,9 +32,11 @@ __all__ = [
     "partitioned",
     "rows_dot_general",
     "set_linear_axes",
+    "standard_normal",
     "torch_linear_bias_init",
     "torch_linear_kernel_init",
     "torch_rand",
+    "uniform",
 ]
 
 #: The most values one eager draw rounds its size up to a power of two for (``uniform``);
@@ -77,12 +79,25 @@ def uniform(key, shape, dtype=jnp.float32, minval=0.0, maxval=1.0, scale=None):
     flat draw of ``_draw_size`` values, reshaped: a layer built outside ``jit`` then compiles
     one random program per size class instead of one per parameter shape (each Threefry program
     takes XLA 0.1-0.2 s to compile). Traced or elsewhere: ``jax.random.uniform`` itself."""
+    draw = functools.partial(jax.random.uniform, dtype=dtype, minval=minval, maxval=maxval)
+    return _draw(draw, key, shape, scale)
+
+
+def standard_normal(key, shape, dtype=jnp.float32):
+    """``jax.random.normal(key, shape, dtype)``, drawn as ``uniform`` draws: the embeddings'
+    initialiser (torch's ``nn.Embedding`` draws from N(0, 1); ``nnx.initializers.normal(1.0)``
+    gives the same values, times 1)."""
+    return _draw(functools.partial(jax.random.normal, dtype=dtype), key, shape)
+
+
+def _draw(draw, key, shape, scale=None):
+    """``draw(key, shape)`` (times ``scale``): from a flat draw where ``_draws_flat(key)``."""
     shape = tuple(shape)
     size = math.prod(shape)
     if size == 0 or not _draws_flat(key):
-        values = jax.random.uniform(key, shape, dtype, minval, maxval)
+        values = draw(key, shape)
         return values if scale is None else values * scale
-    values = jax.random.uniform(key, (_draw_size(size),), dtype, minval, maxval)
+    values = draw(key, (_draw_size(size),))
     if scale is not None:
         values = values * scale
     return jnp.asarray(np.asarray(values)[:size].reshape(shape))

@@ -12,7 +12,7 @@ from flax import nnx
 
 import flax_attention as fa
 import flax_attention.core as core
-from flax_attention import _init
+from flax_attention import _init, models
 from flax_attention.models import lora
 
 
@@ -33,29 +33,31 @@ def _drawn_shapes(monkeypatch) -> list:
     return shapes
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_the_initialisers_give_jax_s_values_drawn_flat(dtype, monkeypatch):
+def test_the_initialisers_give_jax_s_values_drawn_flat(monkeypatch):
     key = jax.random.key(7)
     kernel_init = jax.nn.initializers.variance_scaling(1.0 / 3.0, "fan_in", "uniform")
     expected = {  # JAX's own draws of each shape, before the spy
-        shape: (
+        (shape, dtype): (
             jax.random.uniform(key, shape, dtype, -0.25, 0.5),
             kernel_init(key, shape, dtype),
             jax.random.uniform(key, shape, dtype),
+            nnx.initializers.normal(1.0)(key, shape, dtype),
         )
-        for shape in [(3, 5), (2, 3, 4)]
+        for shape, dtype in [((3, 5), "float32"), ((2, 3, 4), "bfloat16")]
     }
     bound = 1 / 5**0.5  # the LoRA A matrix: torch's kaiming_uniform_(a=sqrt(5)) of (r, 5)
-    lora_a = jax.random.uniform(key, (3, 5), dtype, -bound, bound)
+    lora_a = jax.random.uniform(key, (3, 5), "float32", -bound, bound)
     shapes = _drawn_shapes(monkeypatch)
-    for shape, (bias, kernel, rand) in expected.items():
+    for (shape, dtype), (bias, kernel, rand, normal) in expected.items():
         got = _init.uniform(key, shape, dtype, -0.25, 0.5)
         assert got.shape == shape and got.dtype == jnp.dtype(dtype)
         np.testing.assert_array_equal(_bits(got), _bits(bias))
         got = _init.torch_linear_kernel_init(key, shape, dtype)
         np.testing.assert_array_equal(_bits(got), _bits(kernel))
         np.testing.assert_array_equal(_bits(_init.torch_rand(key, shape, dtype)), _bits(rand))
-    got = lora.torch_kaiming_uniform_a_sqrt5(key, (3, 5), dtype)
+        got = _init.standard_normal(key, shape, dtype)  # the embeddings'
+        np.testing.assert_array_equal(_bits(got), _bits(normal))
+    got = lora.torch_kaiming_uniform_a_sqrt5(key, (3, 5), "float32")
     np.testing.assert_array_equal(_bits(got), _bits(lora_a))
     assert shapes == [(16,)] * 3 + [(32,)] * 3 + [(16,)]  # 15 and 24 values, rounded up
 
@@ -85,17 +87,18 @@ def test_a_traced_mesh_or_other_generator_draw_is_jax_s_own(monkeypatch):
 
 
 def test_a_layer_built_eagerly_equals_one_built_under_jit():
-    def build():
-        return fa.MultiHeadAttention(6, 4, 5, 0.0, 2, qkv_bias=True, rngs=nnx.Rngs(11))
-
-    eager, traced = fa.state_dict(build()), fa.state_dict(nnx.jit(build)())
-    assert list(eager) == list(traced)
-    for name in eager:
-        np.testing.assert_array_equal(_bits(eager[name]), _bits(traced[name]), err_msg=name)
-    v1 = fa.state_dict(fa.SelfAttention_v1(3, 2, rngs=nnx.Rngs(2)))
-    v1_traced = fa.state_dict(nnx.jit(lambda: fa.SelfAttention_v1(3, 2, rngs=nnx.Rngs(2)))())
-    for name in v1:
-        np.testing.assert_array_equal(_bits(v1[name]), _bits(v1_traced[name]), err_msg=name)
+    cfg = {
+        "vocab_size": 13, "context_length": 6, "emb_dim": 8, "n_heads": 2, "n_layers": 1,
+        "drop_rate": 0.0, "qkv_bias": True,
+    }  # fmt: skip
+    for build in (
+        lambda: fa.SelfAttention_v1(3, 2, rngs=nnx.Rngs(2)),  # torch.rand
+        lambda: models.GPTModel(cfg, rngs=nnx.Rngs(5)),  # Linears, the embeddings' N(0, 1)
+    ):
+        eager, traced = fa.state_dict(build()), fa.state_dict(nnx.jit(build)())
+        assert list(eager) == list(traced)
+        for name in eager:
+            np.testing.assert_array_equal(_bits(eager[name]), _bits(traced[name]), err_msg=name)
 
 
 def _calls(monkeypatch) -> list:
@@ -136,7 +139,7 @@ def test_dropout_a_trace_or_a_mesh_run_the_operations_as_they_are(monkeypatch):
     layer = fa.MultiHeadAttention(4, 4, 5, 0.5, 2, rngs=nnx.Rngs(0))
     layer.train()
     layer(x)  # an active dropout: drawn eagerly from the layer's stream
-    nnx.jit(lambda m, x: m(x))(layer, x)
+    nnx.eval_shape(lambda m, x: m(x), layer, x)  # traced
     heads = x[..., None, :]  # (b, t, 1, d)
     core.dot_product_attention(heads, heads, heads, dropout=lambda w: w)  # a callable
     assert calls == []
