@@ -409,7 +409,8 @@ def _run_reference(queries, keys, values, attention_mask, call: _Call):
     dropout = call.dropout
     if not _dropout_active(dropout) and call.dropout_key is None:
         keep, query_offset = attention_mask.keep, attention_mask.query_offset
-        if _eager(queries, keys, values, keep, query_offset):
+        fill_is_a_number = isinstance(attention_mask.fill_value, (int, float))  # hashable
+        if fill_is_a_number and _eager(queries, keys, values, keep, query_offset):
             return _compiled_reference(
                 queries, keys, values, keep, query_offset,
                 fill_value=attention_mask.fill_value, is_causal=attention_mask.is_causal,

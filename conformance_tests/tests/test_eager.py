@@ -142,10 +142,14 @@ def test_dropout_a_trace_or_a_mesh_run_the_operations_as_they_are(monkeypatch):
     nnx.eval_shape(lambda m, x: m(x), layer, x)  # traced
     heads = x[..., None, :]  # (b, t, 1, d)
     core.dot_product_attention(heads, heads, heads, dropout=lambda w: w)  # a callable
-    assert calls == []
+    keep = np.tril(np.ones((5, 5), bool))
+    fill = jnp.asarray(-jnp.inf)  # an array, not a static number
+    out, _ = core.dot_product_attention(heads, heads, heads, keep, fill_value=fill)
+    np.testing.assert_array_equal(out, core.dot_product_attention(heads, heads, heads, keep)[0])
+    assert len(calls) == 1  # the last call only
     layer.eval()
     layer(x)  # an inactive dropout is none
-    assert len(calls) == 1
+    assert len(calls) == 2
     with jax.set_mesh(jax.make_mesh((1,), ("data",))):
         core.dot_product_attention(heads, heads, heads)
-    assert len(calls) == 1
+    assert len(calls) == 2
