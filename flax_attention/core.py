@@ -407,51 +407,12 @@ def _tiled_dropout(call: _Call):
 
 def _run_reference(queries, keys, values, attention_mask, call: _Call):
     dropout = call.dropout
-    if not _dropout_active(dropout) and call.dropout_key is None:
-        keep, query_offset = attention_mask.keep, attention_mask.query_offset
-        fill_is_a_number = isinstance(attention_mask.fill_value, (int, float))  # hashable
-        if fill_is_a_number and _eager(queries, keys, values, keep, query_offset):
-            return _compiled_reference(
-                queries, keys, values, keep, query_offset,
-                fill_value=attention_mask.fill_value, is_causal=attention_mask.is_causal,
-                precision=call.precision, kv_layout=call.kv_layout,
-                need_weights=call.need_weights,
-            )  # fmt: skip
     if call.dropout_key is not None:
         dropout = functools.partial(dropout, rngs=call.dropout_key)
     context_vec, attn_weights = _reference(
         queries, keys, values, attention_mask, dropout, call.precision, call.kv_layout
     )
     return (context_vec, attn_weights) if call.need_weights else context_vec
-
-
-def _eager(*arrays) -> bool:
-    """Whether a call runs outside any trace and any mesh: every array concrete (or ``None``,
-    a Python number, a NumPy array) and on one device."""
-    if not jax.sharding.get_abstract_mesh().empty:
-        return False
-    for x in arrays:
-        if isinstance(x, jax.core.Tracer):
-            return False
-        if isinstance(x, jax.Array) and len(x.sharding.device_set) != 1:
-            return False
-    return True
-
-
-@functools.partial(
-    jax.jit, static_argnames=("fill_value", "is_causal", "precision", "kv_layout", "need_weights")
-)
-def _compiled_reference(
-    queries, keys, values, keep, query_offset, *, fill_value, is_causal, precision, kv_layout,
-    need_weights,
-):  # fmt: skip
-    """``reference`` without dropout, as one program: an eager call (outside ``jit``) compiles
-    one program per shape instead of one per operation (about ten: the products, the scale, the
-    fill, the softmax's steps), and runs it fused. The same operations as inside a user's
-    ``jit``; a traced call never comes here."""
-    mask = AttentionMask(keep, fill_value, is_causal, query_offset)
-    context_vec, attn_weights = _reference(queries, keys, values, mask, None, precision, kv_layout)
-    return (context_vec, attn_weights) if need_weights else context_vec
 
 
 def _run_blocked(queries, keys, values, attention_mask, call: _Call):

@@ -1,17 +1,14 @@
-"""What an eager call (outside ``jit``) compiles: the initialisers draw JAX's own values from a
-flat draw of a few sizes, and ``reference`` without dropout runs as one program. Both give what
-the traced path gives, which is unchanged."""
+"""What a layer built eagerly (outside ``jit``) compiles: the initialisers draw JAX's own values
+from a flat draw of a few sizes, the values the traced path (unchanged) gives."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from flax import nnx
 
 import flax_attention as fa
-import flax_attention.core as core
 from flax_attention import _init, models
 from flax_attention.models import lora
 
@@ -99,57 +96,3 @@ def test_a_layer_built_eagerly_equals_one_built_under_jit():
         assert list(eager) == list(traced)
         for name in eager:
             np.testing.assert_array_equal(_bits(eager[name]), _bits(traced[name]), err_msg=name)
-
-
-def _calls(monkeypatch) -> list:
-    """Each call of the compiled ``reference`` from now on."""
-    calls, original = [], core._compiled_reference
-
-    def spy(*args, **kwargs):
-        calls.append(kwargs)
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(core, "_compiled_reference", spy)
-    return calls
-
-
-@pytest.mark.parametrize("offset", [0, 2, "array"])
-def test_an_eager_reference_call_is_one_program_with_the_same_values(offset, monkeypatch):
-    rng = np.random.default_rng(0)
-    q, k, v = (jnp.asarray(rng.standard_normal((2, 3, 2, 4)), jnp.float32) for _ in range(3))
-    mask = rng.random((2, 1, 3, 3)) > 0.3
-    offset = jnp.asarray(1) if offset == "array" else offset
-    kwargs = dict(is_causal=True, query_offset=offset, fill_value=-1e10)
-    traced = jax.jit(lambda q, k, v: core.dot_product_attention(q, k, v, mask, **kwargs))
-    want_out, want_weights = traced(q, k, v)
-    calls = _calls(monkeypatch)
-    out, weights = core.dot_product_attention(q, k, v, mask, **kwargs)
-    assert len(calls) == 1 and calls[0]["is_causal"] and calls[0]["fill_value"] == -1e10
-    np.testing.assert_array_equal(out, want_out)
-    np.testing.assert_array_equal(weights, want_weights)
-    with jax.disable_jit():  # operation by operation, as before
-        out, weights = core.dot_product_attention(q, k, v, mask, **kwargs)
-    np.testing.assert_allclose(out, want_out, rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(weights, want_weights, rtol=1e-6, atol=1e-6)
-
-
-def test_dropout_a_trace_or_a_mesh_run_the_operations_as_they_are(monkeypatch):
-    calls = _calls(monkeypatch)
-    x = jnp.asarray(np.random.default_rng(1).standard_normal((2, 5, 4)), jnp.float32)
-    layer = fa.MultiHeadAttention(4, 4, 5, 0.5, 2, rngs=nnx.Rngs(0))
-    layer.train()
-    layer(x)  # an active dropout: drawn eagerly from the layer's stream
-    nnx.eval_shape(lambda m, x: m(x), layer, x)  # traced
-    heads = x[..., None, :]  # (b, t, 1, d)
-    core.dot_product_attention(heads, heads, heads, dropout=lambda w: w)  # a callable
-    keep = np.tril(np.ones((5, 5), bool))
-    fill = jnp.asarray(-jnp.inf)  # an array, not a static number
-    out, _ = core.dot_product_attention(heads, heads, heads, keep, fill_value=fill)
-    np.testing.assert_array_equal(out, core.dot_product_attention(heads, heads, heads, keep)[0])
-    assert len(calls) == 1  # the last call only
-    layer.eval()
-    layer(x)  # an inactive dropout is none
-    assert len(calls) == 2
-    with jax.set_mesh(jax.make_mesh((1,), ("data",))):
-        core.dot_product_attention(heads, heads, heads)
-    assert len(calls) == 2
