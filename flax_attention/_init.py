@@ -18,7 +18,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from flax_attention.axes import LinearAxes, explicit_mesh, lookup_sharding, spec_of
@@ -32,83 +31,13 @@ __all__ = [
     "partitioned",
     "rows_dot_general",
     "set_linear_axes",
-    "standard_normal",
     "torch_linear_bias_init",
     "torch_linear_kernel_init",
     "torch_rand",
-    "uniform",
 ]
 
-#: The most values one eager draw rounds its size up to a power of two for (``uniform``);
-#: larger draws round up to a sixteenth of their power of two (at most 12.5% more).
-_POWER_OF_TWO_DRAWS = 1 << 20
-
-
-def _draw_size(size: int) -> int:
-    """The size ``uniform`` draws for ``size`` values: few distinct sizes, so that few distinct
-    programs compile, and never much more than asked for."""
-    power = 1 << max(size - 1, 0).bit_length()
-    if power <= _POWER_OF_TWO_DRAWS:
-        return power
-    step = power >> 4
-    return -(-size // step) * step
-
-
-def _draws_flat(key) -> bool:
-    """Whether ``key``'s uniform values of a shape are the first ones of a longer flat draw,
-    reshaped: a concrete Threefry key on one CPU device, outside any mesh, with
-    ``jax_threefry_partitionable`` (JAX's default; each value is then a function of its flat
-    index alone)."""
-    if isinstance(key, jax.core.Tracer) or not isinstance(key, jax.Array):
-        return False
-    if not jax.config.jax_threefry_partitionable or not jax.sharding.get_abstract_mesh().empty:
-        return False
-    if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
-        impl = str(jax.random.key_impl(key))
-    else:  # a raw uint32 key of the default generator
-        impl = jax.config.jax_default_prng_impl
-    devices = key.sharding.device_set
-    return impl == "threefry2x32" and len(devices) == 1 and next(iter(devices)).platform == "cpu"
-
-
-def uniform(key, shape, dtype=jnp.float32, minval=0.0, maxval=1.0, scale=None):
-    """``jax.random.uniform(key, shape, dtype, minval, maxval)``, times ``scale`` if given, bit
-    for bit, for the initialisers.
-
-    Eagerly (a concrete Threefry key on the CPU: ``_draws_flat``) the values are the first of a
-    flat draw of ``_draw_size`` values, reshaped: a layer built outside ``jit`` then compiles
-    one random program per size class instead of one per parameter shape (each Threefry program
-    takes XLA 0.1-0.2 s to compile). Traced or elsewhere: ``jax.random.uniform`` itself."""
-    draw = functools.partial(jax.random.uniform, dtype=dtype, minval=minval, maxval=maxval)
-    return _draw(draw, key, shape, scale)
-
-
-def standard_normal(key, shape, dtype=jnp.float32):
-    """``jax.random.normal(key, shape, dtype)``, drawn as ``uniform`` draws: the embeddings'
-    initialiser (torch's ``nn.Embedding`` draws from N(0, 1); ``nnx.initializers.normal(1.0)``
-    gives the same values, times 1)."""
-    return _draw(functools.partial(jax.random.normal, dtype=dtype), key, shape)
-
-
-def _draw(draw, key, shape, scale=None):
-    """``draw(key, shape)`` (times ``scale``): from a flat draw where ``_draws_flat(key)``."""
-    shape = tuple(shape)
-    size = math.prod(shape)
-    if size == 0 or not _draws_flat(key):
-        values = draw(key, shape)
-        return values if scale is None else values * scale
-    values = draw(key, (_draw_size(size),))
-    if scale is not None:
-        values = values * scale
-    return jnp.asarray(np.asarray(values)[:size].reshape(shape))
-
-
-def torch_linear_kernel_init(key, shape, dtype=jnp.float32):
-    """Kernel ``(fan_in, fan_out)`` uniform in +-sqrt(3 * (1/3) / fan_in) = +-1/sqrt(fan_in):
-    ``jax.nn.initializers.variance_scaling(1/3, "fan_in", "uniform")``, the same values."""
-    fan_in = math.prod(shape[:-1])  # variance_scaling's: in_axis -2 times the receptive field
-    variance = jnp.array((1.0 / 3.0) / fan_in, dtype=dtype)
-    return uniform(key, shape, dtype, -1.0, 1.0, scale=jnp.sqrt(3 * variance))
+#: Kernel ``(fan_in, fan_out)`` uniform in +-sqrt(3 * (1/3) / fan_in) = +-1/sqrt(fan_in).
+torch_linear_kernel_init = jax.nn.initializers.variance_scaling(1.0 / 3.0, "fan_in", "uniform")
 
 
 def torch_linear_bias_init(fan_in: int):
@@ -116,14 +45,14 @@ def torch_linear_bias_init(fan_in: int):
     bound = 1.0 / fan_in**0.5
 
     def init(key, shape, dtype=jnp.float32):
-        return uniform(key, shape, dtype, -bound, bound)
+        return jax.random.uniform(key, shape, dtype, -bound, bound)
 
     return init
 
 
 def torch_rand(key, shape, dtype=jnp.float32):
     """``torch.rand(*shape)``: uniform in ``[0, 1)``."""
-    return uniform(key, shape, dtype)
+    return jax.random.uniform(key, shape, dtype)
 
 
 def partitioned(init, axes):

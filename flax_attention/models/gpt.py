@@ -43,7 +43,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from flax_attention._checks import check_bool, check_positive_int, check_rate
-from flax_attention._init import Dropout, Embed, linear_factory, rows_dot_general, standard_normal
+from flax_attention._init import Dropout, Embed, linear_factory, rows_dot_general
 from flax_attention._inputs import check_model_inputs
 from flax_attention.axes import (
     FROM_HEADS,
@@ -302,7 +302,7 @@ class GPTModel(nnx.Module):
             Embed,
             dtype=dtype,
             param_dtype=param_dtype,
-            embedding_init=standard_normal,
+            embedding_init=nnx.initializers.normal(1.0),
             rngs=rngs,
         )  # torch's nn.Embedding draws from N(0, 1); replicated on a mesh
         self.tok_emb = embed(cfg["vocab_size"], cfg["emb_dim"])

@@ -55,7 +55,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from flax_attention._checks import check_instance, check_positive_int, check_real
-from flax_attention._init import rows_dot_general, uniform
+from flax_attention._init import rows_dot_general
 from flax_attention.layouts import Names, register
 
 __all__ = [
@@ -77,7 +77,7 @@ def torch_kaiming_uniform_a_sqrt5(key, shape, dtype=jnp.float32):
     ``+-gain * sqrt(3 / fan_in)`` with ``gain = sqrt(2 / (1 + 5))`` and torch's fan-in of a 2-D
     tensor, ``shape[1]``: ``+-1 / sqrt(shape[1])``."""
     bound = 1.0 / math.sqrt(shape[1])
-    return uniform(key, shape, dtype, -bound, bound)
+    return jax.random.uniform(key, shape, dtype, -bound, bound)
 
 
 def _check_alpha(alpha) -> None:
