@@ -144,9 +144,8 @@ class Dropout(nnx.Dropout):
     (x.size,))`` reshaped to ``x.shape``. Threefry draws a shape's bits as the flat draw of its
     size, reshaped (either way ``jax_threefry_partitionable`` is set), so these are the bits
     ``nnx.Dropout`` draws for ``x.shape``, bit for bit; XLA's CPU backend compiles the flat draw
-    several times faster (its multi-dimensional index arithmetic is what takes long: a
-    ``(4, 4, 8, 9)`` draw 2.8 s with AVX-512 and 9.7 s with AVX2, flat 0.2 s; a 2-layer GPT's
-    first training step 2.8 -> 2.3 s).
+    several times faster (its multi-dimensional index arithmetic is what takes long; the
+    measurements: docs/performance.md).
 
     ``nnx.Dropout``'s own call runs where the flat draw could lay the mask out differently
     (a mesh set, or inputs split over mesh axes), with ``broadcast_dims``, for a key of another

@@ -311,8 +311,8 @@ def test_sampling_is_a_function_of_the_key_and_top_k_one_is_greedy(pair):
 
 
 def test_greedy_generation_draws_no_random_numbers(pair, monkeypatch):
-    """Greedy, the program holds no random-number code (Threefry's ``fold_in`` per step took a
-    quarter of its compilation); sampling draws through ``fold_in``."""
+    """Greedy, the program holds no random-number code (Threefry's ``fold_in`` per step, to
+    compile for nothing); sampling draws through ``fold_in``."""
     twin, model = pair
     prompt = PROMPTS[:1, :3]
 

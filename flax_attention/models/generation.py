@@ -348,8 +348,7 @@ def _generate(graphdef, weights, state, ids, mask, key, temperature, *, plan: _P
     token_mask = None if mask is None else jnp.pad(mask, ((0, 0), (0, new)), constant_values=1)
 
     def choose(logits, step):
-        # greedy: no key is drawn, so the program holds no random-number code (Threefry's
-        # fold_in in each loop took a quarter of a small model's compilation)
+        # greedy: no key is drawn, so the program holds no random-number code to compile
         key_step = None if plan.greedy else jax.random.fold_in(key, step)
         return next_token(logits, key_step, temperature, greedy=plan.greedy, top_k=plan.top_k)
 
