@@ -13,6 +13,7 @@ rates, gradient norms and every parameter are compared. Each run happens once pe
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -545,21 +546,22 @@ def test_bad_instruction_input_is_refused_by_name(instructed, call, error, messa
 PEAK_LR, WARMUP = 1e-3, 3
 
 
-@pytest.fixture(scope="module")
-def scheduled():
-    """Appendix D on both sides, every step evaluated; each side's clipping recorded per step
-    (torch: the norms ``clip_grad_norm_`` returns, ``None`` where it is not called; Flax: the
-    learning rate, the clipping flag and the norm each step ran with)."""
-    rng = np.random.default_rng(4)
+def _appendix_d(seed, scale, n_epochs, eval_iter, weight_decay):
+    """Appendix D on both sides from the book's model drawn with ``seed``, its matrices times
+    ``scale``: ``(twin, model, book's result, ours, torch_norms, flax_steps)``, each side's
+    clipping recorded per step (torch: the norms ``clip_grad_norm_`` returns, ``None`` where it
+    is not called; Flax: the learning rate, the clipping flag and the norm each step ran
+    with)."""
+    rng = np.random.default_rng(seed)
     batches = _token_batches(rng, 4)
     train, val = batches[:3], batches[3:]
-    twin = _twin(seed=4)
-    with torch.no_grad():  # larger logits, larger gradients: norms above 1, which clipping cuts
+    twin = _twin(seed=seed)
+    with torch.no_grad():  # larger logits, larger gradients (or smaller)
         for name, parameter in twin.named_parameters():
             if parameter.ndim == 2 and "_emb." not in name:
-                parameter.mul_(3.0)
+                parameter.mul_(scale)
     initial = _numpy(twin.state_dict())
-    optimizer = torch.optim.AdamW(twin.parameters(), lr=PEAK_LR, weight_decay=0.1)
+    optimizer = torch.optim.AdamW(twin.parameters(), lr=PEAK_LR, weight_decay=weight_decay)
     torch_norms = []  # one entry per step: the book's zero_grad opens each
     clip, zero_grad = torch.nn.utils.clip_grad_norm_, optimizer.zero_grad
 
@@ -583,17 +585,25 @@ def scheduled():
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(torch.nn.utils, "clip_grad_norm_", clip_and_record)
         book = book_finetune.train_model(
-            twin, _as_torch(train), _as_torch(val), optimizer, "cpu", n_epochs=EPOCHS,
-            eval_freq=1, eval_iter=1, start_context=None, tokenizer=None,
+            twin, _as_torch(train), _as_torch(val), optimizer, "cpu", n_epochs=n_epochs,
+            eval_freq=1, eval_iter=eval_iter, start_context=None, tokenizer=None,
             warmup_steps=WARMUP,
         )  # fmt: skip
         model = new_model(models.GPTModel, CFG)
         fa.load_state_dict(model, initial)
         patch.setattr(training, "_scheduled_step", record)
         ours = models.train_model(
-            model, train, val, EPOCHS, 1, 1, WARMUP, peak_lr=PEAK_LR, weight_decay=0.1
-        )
+            model, train, val, n_epochs, 1, eval_iter, WARMUP, peak_lr=PEAK_LR,
+            weight_decay=weight_decay,
+        )  # fmt: skip
     return twin, model, book, ours, torch_norms, flax_steps
+
+
+@pytest.fixture(scope="module")
+def scheduled():
+    """Appendix D, every step evaluated on one batch, weights scaled up: every gradient norm
+    from the warmup on is above 1, so clipping scales each down."""
+    return _appendix_d(seed=4, scale=3.0, n_epochs=EPOCHS, eval_iter=1, weight_decay=0.1)
 
 
 def test_appendix_d_equals_the_books_at_every_step(scheduled):
@@ -623,6 +633,75 @@ def test_appendix_d_equals_the_books_at_every_step(scheduled):
     assert loss_error <= TRAIN_TOL, f"losses: {loss_error:.2e} > {TRAIN_TOL}"
     assert param_error <= TRAIN_TOL, f"{worst}: {param_error:.2e} > {TRAIN_TOL}"
     assert train_losses[-1] < train_losses[0] - 0.1, "the loss did not fall: a weak check"
+
+
+def test_appendix_d_below_the_clipping_norm_another_decay_and_every_batch():
+    """The rest of appendix D's options: gradient norms below 1 after the warmup (torch's
+    ``clip_grad_norm_`` leaves them as they are), a ``weight_decay`` other than the book's 0.1,
+    and ``eval_iter=None`` (every batch, as the book's ``calc_loss_loader`` reads it)."""
+    twin, model, book, ours, torch_norms, flax_steps = _appendix_d(
+        seed=5, scale=0.5, n_epochs=2, eval_iter=None, weight_decay=0.5
+    )
+    # torch's rule on its own, a norm below and above ``max_norm``: left, and scaled down
+    rng = np.random.default_rng(5)
+    for size in (0.2, 4.0):
+        grads = [size * rng.standard_normal(shape).astype(np.float32) for shape in ((3, 4), (5,))]
+        parameters = [torch.zeros(g.shape, requires_grad=True) for g in grads]
+        for parameter, g in zip(parameters, grads):
+            parameter.grad = torch.from_numpy(g.copy())
+        expected = float(torch.nn.utils.clip_grad_norm_(parameters, 1.0))
+        got, norm = training.clip_grad_norm([jnp.asarray(g) for g in grads], 1.0)
+        assert _error(norm, expected) <= TOL, (size, float(norm), expected)
+        for g, parameter in zip(got, parameters):
+            assert _error(g, parameter.grad.numpy()) <= TOL, (size, g, parameter.grad)
+    clipped = [norm for norm in torch_norms if norm is not None]
+    assert len(clipped) == 3 and max(clipped) < 1.0, f"norms {clipped}: clipping scaled some"
+    assert [c for _, c, _ in flax_steps] == [norm is not None for norm in torch_norms]
+    norms = [norm for _, clipping, norm in flax_steps if clipping]
+    norm_error = max(_error(norm, expected) for norm, expected in zip(norms, clipped))
+    assert norm_error <= TOL, f"gradient norms: {norm_error:.2e} > {TOL}"
+    assert len(ours[0]) == len(book[0]) == 6 and ours[3] == book[3]
+    loss_error = max(_error(g, e) for g, e in zip(ours[0] + ours[1], book[0] + book[1]))
+    worst, param_error = _worst(_params(model), _torch_params(twin))
+    assert loss_error <= TRAIN_TOL, f"losses: {loss_error:.2e} > {TRAIN_TOL}"
+    assert param_error <= TRAIN_TOL, f"{worst}: {param_error:.2e} > {TRAIN_TOL}"
+
+
+def test_each_evaluate_model_puts_the_model_back_in_train_mode(classified, instructed):
+    """Chapters 5 and 6 leave the model in train mode after an evaluation, whatever mode it
+    came in (the tests' models have no dropout, so no loss would show it)."""
+    for module, (_, _, model, *_, batches) in ((classify, classified), (training, instructed)):
+        train, val = (batches[:3], batches[3:]) if module is training else batches
+        model.eval()
+        module.evaluate_model(model, train, val, 1)
+        assert _deterministic(model) == [False] * 5, module.__name__
+        module.evaluate_model(model, train, val, None)
+        assert _deterministic(model) == [False] * 5, module.__name__
+
+
+def test_train_model_simple_evaluates_every_batch_for_eval_iter_none():
+    """The book's ``train_model_simple(..., eval_iter=None)``: the losses over every batch of
+    each loader, equal to the book's (it was refused at the first evaluation, after one step had
+    already changed the model)."""
+    batches = _token_batches(np.random.default_rng(9), 5)
+    train, val = batches[:3], batches[3:]
+    twin = _twin(seed=9)
+    initial = _numpy(twin.state_dict())
+    optimizer = torch.optim.AdamW(twin.parameters(), lr=0.00005, weight_decay=0.1)
+    book = book_finetune.train_model_simple(
+        twin, _as_torch(train), _as_torch(val), optimizer, "cpu",
+        num_epochs=1, eval_freq=1, eval_iter=None, start_context=None, tokenizer=None,
+    )  # fmt: skip
+    model = new_model(models.GPTModel, CFG)
+    fa.load_state_dict(model, initial)
+    ours = models.train_model_simple(
+        model, train, val, nnx.Optimizer(model, ADAMW, wrt=nnx.Param), 1, 1, None
+    )
+    assert ours[2] == book[2] and len(ours[0]) == 3
+    loss_error = max(_error(g, e) for g, e in zip(ours[0] + ours[1], book[0] + book[1]))
+    assert loss_error <= TRAIN_TOL, f"losses: {loss_error:.2e} > {TRAIN_TOL}"
+    one_batch = models.calc_loss_loader(val, model, num_batches=1)
+    assert abs(one_batch - ours[1][-1]) > 1e-3, "one batch's loss: eval_iter read as 1"
 
 
 @pytest.mark.parametrize(

@@ -224,9 +224,10 @@ def calc_loss_loader(batches, model, num_batches: int | None = None) -> float:
 
 
 def evaluate_model(model, train_batches, val_batches, eval_iter: int) -> tuple[float, float]:
-    """``(train_loss, val_loss)`` over ``eval_iter`` batches each, in eval mode (dropout off);
-    the model is back in train mode afterwards, as the book's ``evaluate_model`` leaves it."""
-    check_int("eval_iter", eval_iter, 1)
+    """``(train_loss, val_loss)`` over ``eval_iter`` batches each (``None``: every batch, as
+    the book's ``calc_loss_loader`` reads it), in eval mode (dropout off); the model is back in
+    train mode afterwards, as the book's ``evaluate_model`` leaves it."""
+    check_int("eval_iter", eval_iter, 1, optional="every batch")
     model.eval()
     try:
         train_loss = calc_loss_loader(train_batches, model, num_batches=eval_iter)
