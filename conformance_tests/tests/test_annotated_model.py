@@ -87,6 +87,53 @@ def batch():
     return src, tgt
 
 
+def test_layer_norm_adds_eps_to_the_unbiased_std_as_the_post():
+    """``a_2 * (x - mean) / (std + eps) + b_2``: rows whose spread is near ``eps`` (where eps
+    added to the variance instead, or a biased std, would move every output) and unit rows."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((2, 5, D_MODEL)).astype(np.float32)
+    x[0] *= 1e-6  # std about eps
+    twin = post.LayerNorm(D_MODEL)
+    with torch.no_grad():
+        twin.a_2.copy_(torch.from_numpy(rng.standard_normal(D_MODEL).astype(np.float32)))
+        twin.b_2.copy_(torch.from_numpy(rng.standard_normal(D_MODEL).astype(np.float32)))
+        expected = twin(torch.from_numpy(x)).numpy()
+    norm = annotated.LayerNorm(D_MODEL)
+    norm.a_2.set_value(jnp.asarray(twin.a_2.detach().numpy()))
+    norm.b_2.set_value(jnp.asarray(twin.b_2.detach().numpy()))
+    assert _error(norm(jnp.asarray(x)), expected) <= TOL
+
+
+def test_make_model_sets_each_dropout_as_the_posts_and_draws_glorot_uniform():
+    """Every dropout rate at the twin's module path: the attentions at ``attention_dropout``
+    (the post's layers keep their default 0.1), the rest at ``dropout``; and every parameter
+    of rank > 1 drawn from the post's Glorot/Xavier uniform law, +-sqrt(6 / (fan_in +
+    fan_out)) (torch's defaults, or JAX's normal draws, reach other bounds)."""
+    torch.manual_seed(0)
+    twin = post.make_model(V, V, N=1, d_model=D_MODEL, d_ff=D_FF, h=H, dropout=0.3)
+    expected = {n: m.p for n, m in twin.named_modules() if isinstance(m, torch.nn.Dropout)}
+    for attention_dropout in (0.1, 0.05):
+        model = annotated.make_model(
+            V, V, N=1, d_model=D_MODEL, d_ff=D_FF, h=H, dropout=0.3,
+            attention_dropout=attention_dropout, rngs=nnx.Rngs(1),
+        )  # fmt: skip
+        rates = {
+            ".".join(map(str, path)): node.rate
+            for path, node in nnx.iter_graph(model)
+            if isinstance(node, nnx.Dropout)
+        }
+        attention = {n: attention_dropout if "attn" in n else p for n, p in expected.items()}
+        assert rates == attention, attention_dropout
+    for side, params in (("flax", _params(model)), ("torch", _numpy(twin.state_dict()))):
+        for name, w in params.items():
+            if w.ndim < 2 or name.endswith(".pe"):
+                continue
+            limit = np.sqrt(6 / sum(w.shape))  # torch's layout (out, in); an embedding (V, d)
+            high, std = np.abs(w).max(), w.std()
+            assert 0.9 * limit < high <= limit, (side, name, high, limit)
+            assert abs(std * np.sqrt(3) / limit - 1) < 0.15, (side, name, std, limit)
+
+
 def test_state_dict_has_the_posts_names_and_goes_both_ways_bit_for_bit(weights, tmp_path):
     torch.save(_twin().state_dict(), tmp_path / "post.pt")  # the post's model saved by torch
     model = _flax(models.read_pth(tmp_path / "post.pt"))
