@@ -197,6 +197,42 @@ def test_int8_generation_equals_the_dequantized_models_and_on_xla_alike(twin, mo
     assert _error(logits, np.asarray(_logits(dense, IDS[:, :5]))) <= 1e-5
 
 
+def test_int8_layers_compute_in_float32_and_return_the_layers_dtype(twin, monkeypatch):
+    """``Int8Linear`` on XLA's path (no kernel) against a float64 product of the dequantized
+    weights, at float32's rounding (a bfloat16 dequantization is 2^-9 off); its output dtype
+    is the layer's it replaces (``dtype``, else the input's and parameters' promotion) for
+    every mix, and a quantized bfloat16 ``GPTModel`` gives bfloat16 logits as its float one,
+    as close to the float32 logits as that model's."""
+    monkeypatch.setattr(narrow, "available", lambda: False)
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((3, 48)).astype(np.float32)
+    for dtype, param_dtype, x_dtype in (
+        (None, jnp.float32, jnp.float32),
+        (jnp.bfloat16, jnp.float32, jnp.float32),
+        (jnp.float32, jnp.bfloat16, jnp.bfloat16),
+        (None, jnp.bfloat16, jnp.float32),
+        (None, jnp.bfloat16, jnp.bfloat16),
+    ):
+        linear = nnx.Linear(48, 70, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(0))
+        layer = Int8Linear(linear)
+        got = layer(jnp.asarray(x, x_dtype))
+        assert got.dtype == linear(jnp.asarray(x, x_dtype)).dtype, (dtype, param_dtype, x_dtype)
+        if got.dtype == jnp.float32 and x_dtype == jnp.float32:
+            w = np.asarray(layer.kernel[...], np.float64) * np.asarray(layer.scale[...])
+            bias = np.asarray(layer.bias[...], np.float64)
+            want = x.astype(np.float64) @ w + bias
+            assert _error(got, want) <= 1e-6, (dtype, param_dtype)
+    weights = _weights(twin)
+    model = new_model(models.GPTModel, CFG, dtype=jnp.bfloat16)
+    fa.load_state_dict(model, weights)
+    quantized = models.quantize(model)
+    ids = IDS[:, :5]
+    logits, float_logits = _logits(quantized, ids), _logits(model, ids)
+    assert logits.dtype == float_logits.dtype == jnp.bfloat16
+    reference = _torch_logits(twin, ids)
+    assert _error(logits, reference) <= 2 * _error(float_logits, reference)
+
+
 def test_quantizing_the_dequantized_weights_gives_every_scale_back():
     """One feature per float32 mantissa (a binade; powers of two scale exactly), its largest
     weight that value: dequantized (``q * scale``, as ``state_dict`` exports) and quantized
