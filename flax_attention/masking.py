@@ -12,7 +12,7 @@ else. The rule, written once in ``AttentionMask.apply``:
    masks entirely, so such a row attends to its visible keys uniformly and never to the future.
 
 Shape legend as in ``flax_attention.core``: ``t`` query tokens, ``s`` key tokens, ``h`` heads.
-This module imports nothing from the package.
+Of the package, this module imports only its argument checks (``flax_attention._checks``).
 """
 
 from __future__ import annotations

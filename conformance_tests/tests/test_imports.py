@@ -101,3 +101,21 @@ def test_the_graph_sees_imports_inside_functions():
 def test_no_import_cycles():
     found = [" -> ".join(cycle) for cycle in cycles(import_graph())]
     assert not found, "import cycles:\n" + "\n".join(found)
+
+
+def test_every_name_in_every_all_exists():
+    """``from module import *`` works for every module of the packages users import: each name
+    its ``__all__`` lists is defined (``kernels.native`` once listed a ``run`` it did not have)."""
+    import importlib
+
+    missing = {}
+    for package in ("flax_attention", "torch_reference", "conformance_tests"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            name = _module_name(path)
+            if ".tests" in name or name.endswith("__main__"):
+                continue
+            module = importlib.import_module(name)
+            absent = [n for n in getattr(module, "__all__", ()) if not hasattr(module, n)]
+            if absent:
+                missing[name] = absent
+    assert not missing, missing

@@ -7,7 +7,8 @@ attention_mask)`` in the core's layout (``flax_attention.core``) with an ``Atten
   imported on its own: its loading says why it is off where it cannot run);
 - ``jax_nn``: ``jax.nn.dot_product_attention`` (``xla``, ``cudnn``) behind the core's conventions.
 
-``flax_attention.core.dot_product_attention`` dispatches to them by ``implementation`` name.
+``flax_attention.core.attend`` (behind ``dot_product_attention`` and every layer) runs them by
+``implementation`` name, through its ``_KERNELS`` table.
 """
 
 from flax_attention.kernels.blocked import BlockSizes, blocked_attention

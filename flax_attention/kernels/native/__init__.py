@@ -20,7 +20,8 @@ computed in float32 and the result cast back; ``precision`` is accepted for the 
 signature: the kernel always multiplies in full float32 (``HIGHEST``).
 
 The library is built by the package's install (``setup.py``). Where it was not built, cannot be
-loaded, or ``FLAX_ATTENTION_NATIVE=0`` is set in the environment at import, ``available()`` is
+loaded, or ``FLAX_ATTENTION_NATIVE=0`` is set in the environment when the kernel is first asked
+for (the library is loaded then, once, and the variable read then only), ``available()`` is
 ``False`` and ``why_unavailable()`` says why.
 
 Under ``vmap`` the kernel runs once per mapped element (``vmap_method="sequential"``).
@@ -68,7 +69,6 @@ __all__ = [
     "why_not_here",
     "why_unavailable",
     "native_attention",
-    "run",
 ]
 
 _FORWARD, _BACKWARD = "flax_attention_native_forward", "flax_attention_native_backward"
