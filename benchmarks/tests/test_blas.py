@@ -101,6 +101,7 @@ def test_kernel_built_with_the_shim_equals_sdpa(blas_run):
             assert _positive(row[key]), (key, row)
 
 
+@pytest.mark.quick
 def test_sgemm_check_catches_a_wrong_product(tmp_path):
     """The check is not vacuous: a timing loop that skips the call leaves C wrong, and the
     error it reports is far above the bound."""

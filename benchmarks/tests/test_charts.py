@@ -139,6 +139,7 @@ def test_annotated_chart_holds_the_train_and_decode_ratios(quick_run):
     assert _bars(chart) == 3
 
 
+@pytest.mark.quick
 def test_chart_data_of_hand_made_rows():
     def speed(mode, implementation, ratio, resolved=None, skipped=False, case="b8_t256"):
         framework = "torch" if implementation in ("eager", "sdpa") else "flax"

@@ -209,6 +209,7 @@ def test_annotated_rows_compare_flax_with_the_posts_code(quick_run):
     assert "Annotated: the Annotated Transformer's model" in quick_run.stdout
 
 
+@pytest.mark.quick
 def test_annotated_targets_of_hand_made_rows():
     rows = [
         make_row("annotated", "b80_t10", "train step", "flax", "train_step", ratio_vs_eager=1.0),
@@ -230,6 +231,7 @@ def test_annotated_targets_of_hand_made_rows():
     ]  # fmt: skip
 
 
+@pytest.mark.quick
 def test_model_targets_of_hand_made_rows():
     def generate_row(batch, eager, sdpa):
         return make_row("generate", f"b{batch}", "generate", "flax", "generate", batch=batch,
@@ -253,6 +255,7 @@ def test_model_targets_of_hand_made_rows():
     assert f">= {MODEL_TARGETS['generate b8 / transformers']:g}x" in text[1]
 
 
+@pytest.mark.quick
 def test_narrower_weight_targets_of_hand_made_rows():
     """bfloat16 and int8 at batch 1 over float32 (the rows' ratio), and each at batch 8 over
     itself at batch 1 (their tokens/s); transformers' rows and other batches set none."""
@@ -280,6 +283,7 @@ def test_narrower_weight_targets_of_hand_made_rows():
     ]  # fmt: skip
 
 
+@pytest.mark.quick
 def test_layer_targets_of_hand_made_rows():
     def speed(case, tokens, mode, over_eager, over_sdpa, skipped=False):
         return make_row("speed", case, mode, "flax", "default", tokens=tokens, skipped=skipped,

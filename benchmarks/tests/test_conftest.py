@@ -2,9 +2,11 @@
 ``conformance_tests/tests/conftest.py``), whether or not the conformance tests run beside them."""
 
 import jax
+import pytest
 import torch
 
 
+@pytest.mark.quick
 def test_the_strict_settings_hold_here():
     assert jax.config.jax_default_matmul_precision == "highest"
     assert jax.config.jax_numpy_rank_promotion == "raise"

@@ -22,6 +22,7 @@ def _followers(orders):
     return pairs
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("n", [2, 3, 4, 7])
 def test_a_whole_square_puts_every_name_right_after_every_other(n):
     names = [f"f{i}" for i in range(n)]
@@ -33,6 +34,7 @@ def test_a_whole_square_puts_every_name_right_after_every_other(n):
     assert pairs == {(a, b): expected for a in names for b in names if a != b}
 
 
+@pytest.mark.quick
 def test_seven_callables_three_rounds_no_one_always_follows_the_same():
     names = ["eager", "sdpa", "reference", "xla", "blocked", "native", "default"]
     orders = list(rotations(names, 3))
@@ -41,6 +43,7 @@ def test_seven_callables_three_rounds_no_one_always_follows_the_same():
         assert len(before) > 1 or sum(order.index(name) > 0 for order in orders) <= 1, name
 
 
+@pytest.mark.quick
 def test_interleaved_calls_each_once_per_round_in_the_squares_order():
     calls = []
     fns = {name: (lambda name=name: calls.append(name)) for name in "abc"}
@@ -51,6 +54,7 @@ def test_interleaved_calls_each_once_per_round_in_the_squares_order():
     assert all(timing["median_ms"] >= 0.0 for timing in timings.values())
 
 
+@pytest.mark.quick
 def test_median_ms_warms_each_callable_up_once_then_times_every_round():
     calls = []
     fns = {name: (lambda name=name: calls.append(name)) for name in "ab"}
@@ -60,6 +64,7 @@ def test_median_ms_warms_each_callable_up_once_then_times_every_round():
     assert set(result) == {"a", "b"} and all(ms >= 0.0 for ms in result.values())
 
 
+@pytest.mark.quick
 def test_torch_runs_on_the_cpu_beside_a_cpu_backend_and_arrays_round_trip():
     """On CPU torch stays on the CPU (on a GPU backend it follows onto CUDA, where torch sees
     one); the conversions keep the values and the dtype."""
@@ -73,6 +78,7 @@ def test_torch_runs_on_the_cpu_beside_a_cpu_backend_and_arrays_round_trip():
     assert back.dtype == np.float32
 
 
+@pytest.mark.quick
 def test_block_waits_for_jax_and_for_torch_cuda_work_once_torch_used_cuda(monkeypatch):
     synced = []
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)

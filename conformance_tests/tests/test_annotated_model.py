@@ -134,6 +134,7 @@ def test_make_model_sets_each_dropout_as_the_posts_and_draws_glorot_uniform():
             assert abs(std * np.sqrt(3) / limit - 1) < 0.15, (side, name, std, limit)
 
 
+@pytest.mark.quick
 def test_state_dict_has_the_posts_names_and_goes_both_ways_bit_for_bit(weights, tmp_path):
     torch.save(_twin().state_dict(), tmp_path / "post.pt")  # the post's model saved by torch
     model = _flax(models.read_pth(tmp_path / "post.pt"))

@@ -62,6 +62,7 @@ def _expected_state_dict_shapes(N, d_model, d_ff, vocab, max_len=5000):
     return shapes
 
 
+@pytest.mark.quick
 def test_make_model_has_the_posts_state_dict_names_and_shapes():
     model = am.make_model(V, V, **SMALL)
     got = {k: tuple(v.shape) for k, v in model.state_dict().items()}
@@ -85,6 +86,7 @@ def test_make_model_has_the_posts_state_dict_names_and_shapes():
     assert len(got) == 2 * (8 + 4 + 4) + 2 + 2 * (16 + 4 + 6) + 2 + 4 + 2  # 94
 
 
+@pytest.mark.quick
 def test_make_model_keeps_attention_dropout_at_0_1_and_xavier_initialises_matrices():
     """``make_model`` builds attention as ``MultiHeadedAttention(h, d_model)``: its dropout stays
     0.1 whatever ``dropout`` is; every other dropout takes ``dropout``."""
@@ -105,6 +107,7 @@ def test_make_model_keeps_attention_dropout_at_0_1_and_xavier_initialises_matric
     assert torch.equal(model.encoder.norm.a_2, torch.ones(32))  # 1-D: left alone
 
 
+@pytest.mark.quick
 def test_subsequent_mask_is_the_lower_triangle_as_bool():
     mask = am.subsequent_mask(3)
     expected = torch.tensor([[[True, False, False], [True, True, False], [True, True, True]]])
@@ -112,6 +115,7 @@ def test_subsequent_mask_is_the_lower_triangle_as_bool():
     assert torch.equal(mask, expected)
 
 
+@pytest.mark.quick
 def test_batch_masks_shapes_dtypes_and_token_count():
     src = torch.tensor([[1, 4, 0]])
     tgt = torch.tensor([[1, 5, 0, 0]])
@@ -126,6 +130,7 @@ def test_batch_masks_shapes_dtypes_and_token_count():
     assert batch.ntokens.dtype == torch.int64 and batch.ntokens.item() == 1
 
 
+@pytest.mark.quick
 def test_layer_norm_adds_eps_to_the_unbiased_std():
     norm = am.LayerNorm(4)
     x = torch.tensor([[1.0, 2.0, 3.0, 4.0]])
@@ -139,6 +144,7 @@ def test_layer_norm_adds_eps_to_the_unbiased_std():
     torch.testing.assert_close(norm(x), expected, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.quick
 def test_embeddings_scale_and_positional_encoding_values():
     emb = am.Embeddings(4, V)
     tokens = torch.tensor([[3]])
@@ -151,6 +157,7 @@ def test_embeddings_scale_and_positional_encoding_values():
     torch.testing.assert_close(pe[0, 2], torch.tensor(expected), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(
     ("step", "model_size", "factor", "warmup", "expected"),
     [
@@ -166,6 +173,7 @@ def test_rate_is_the_papers_schedule_with_step_0_as_1(step, model_size, factor, 
     assert am.rate(step, model_size, factor, warmup) == pytest.approx(expected, rel=1e-7)
 
 
+@pytest.mark.quick
 def test_make_optimizer_is_adam_with_lambda_lr_and_the_first_two_steps_share_a_rate():
     model = am.make_model(V, V, **SMALL)
     optimizer, scheduler = am.make_optimizer(model, 32, warmup=400)
@@ -181,6 +189,7 @@ def test_make_optimizer_is_adam_with_lambda_lr_and_the_first_two_steps_share_a_r
     assert lrs == pytest.approx([0.5 * r1, 0.5 * r1, 0.5 * 2 * r1], rel=1e-12)
 
 
+@pytest.mark.quick
 def test_label_smoothing_true_dist_and_loss_worked_by_hand():
     """The post's ``example_label_smoothing``: size 5, padding 0, smoothing 0.4, targets
     ``[2, 1, 0, 3, 3]``: 0.6 on the target, 0.4 / 3 elsewhere, padding column and the padding
@@ -198,6 +207,7 @@ def test_label_smoothing_true_dist_and_loss_worked_by_hand():
     assert loss.item() == pytest.approx(1.9879253, rel=1e-6)
 
 
+@pytest.mark.quick
 def test_data_gen_is_the_posts_copy_batches():
     gen = torch.Generator().manual_seed(0)
     batches = list(am.data_gen(V, 3, 2, generator=gen))

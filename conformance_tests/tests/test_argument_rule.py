@@ -577,6 +577,7 @@ PACKAGES = {
 }
 
 
+@pytest.mark.quick
 def test_every_public_name_is_held_or_exempt():
     for row in TABLE:
         assert getattr(PACKAGES[row.package], row.name) is row.call, f"{row.package}.{row.name}"

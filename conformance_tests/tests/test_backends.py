@@ -22,6 +22,7 @@ def _backend(name, strict):
     return harness.Backend(name, CPU_DEVICE, "cpu", strict)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(
     ("name", "strict", "precision", "label"),
     [
@@ -52,6 +53,7 @@ def test_default_precision_picks_its_own_tolerances(name, strict, precision, lab
         assert row.passed
 
 
+@pytest.mark.quick
 def test_precision_entries_cover_every_float32_check_they_loosen():
     for precision in ("tf32", "bf16"):
         for check in ("forward", "forward:documents", "grad", "train", "dropout"):
@@ -74,6 +76,7 @@ def test_a_mesh_backend_runs_sharded_and_says_so(tmp_path):
     assert module.W_query.kernel[...].sharding.mesh == backend.mesh
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("strict", [True, False])
 def test_a_backend_scope_restores_torch_and_jax_settings_on_exit(strict):
     """``Backend.scope`` sets torch's two TF32 switches, jax's default device and matmul

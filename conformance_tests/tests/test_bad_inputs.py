@@ -40,6 +40,7 @@ def test_bad_input_raises_the_same_clear_error_in_both_packages(row):
         )
 
 
+@pytest.mark.quick
 def test_the_matrix_is_one_table_of_unique_rows():
     ids = [row.id for row in BAD_INPUTS]
     assert len(ids) == len(set(ids)), (
@@ -49,6 +50,7 @@ def test_the_matrix_is_one_table_of_unique_rows():
     assert {row.error for row in BAD_INPUTS} == {ValueError, TypeError}
 
 
+@pytest.mark.quick
 def test_docs_errors_lists_every_message_of_the_matrix():
     listed = error_templates("Arguments and inputs")
     found = messages()

@@ -191,6 +191,7 @@ def test_overflow_by_exactly_one_token_inside_jit_is_nan_and_a_fitting_step_stil
     assert diff <= DECODE_ATOL, f"the step that fills the cache exactly: {diff:.2e}"
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(
     ("kwargs", "error", "message"),
     [
@@ -295,6 +296,7 @@ def test_generate_does_not_recompile_for_a_new_cache_of_the_same_shape():
     assert fa.cache._generate._cache_size() == before
 
 
+@pytest.mark.quick
 def test_generate_compiles_once_from_a_fresh_layer_with_an_rng_stream(caplog):
     """Loaded weights and a fresh cache are not committed to a device; what the jit hands back
     is, and XLA compiles again for committed inputs (the trace is reused, so only the compile

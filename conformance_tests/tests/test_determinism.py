@@ -11,6 +11,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 import torch
 from flax import nnx
 
@@ -66,6 +67,7 @@ def fingerprint() -> dict[str, str]:
         }
 
 
+@pytest.mark.quick
 def test_same_seeds_give_bit_identical_results_in_one_process_and_across_two():
     """Initial weights, eval outputs and dropout draws from the same seeds: the same
     bits twice in this process and once more in a fresh one (started first, run alongside)."""

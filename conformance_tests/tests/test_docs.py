@@ -52,6 +52,7 @@ def links(path: pathlib.Path) -> list[str]:
     return _LINK.findall(_prose(path.read_text()))
 
 
+@pytest.mark.quick
 def test_slugs_follow_github():
     assert slug("The conformance report") == "the-conformance-report"
     assert slug("Decode path: a cache layout problem (measured, not fixed here)") == (
@@ -64,6 +65,7 @@ def test_slugs_follow_github():
     assert slug("Weights across [frameworks](x.md)") == "weights-across-frameworks"
 
 
+@pytest.mark.quick
 def test_link_parser_finds_links_and_ignores_code(tmp_path):
     page = tmp_path / "page.md"
     page.write_text(
@@ -74,6 +76,7 @@ def test_link_parser_finds_links_and_ignores_code(tmp_path):
     assert anchors(page) == {"title", "title-1"}
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_relative_link_and_anchor_resolves(page):
     problems = []
@@ -95,6 +98,7 @@ def test_every_relative_link_and_anchor_resolves(page):
     assert not problems, "\n".join(problems)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_table_rows_have_as_many_cells_as_their_header(page):
     """A ``|`` inside a code span splits a table cell on GitHub unless written ``\\|``."""
@@ -112,6 +116,7 @@ def test_table_rows_have_as_many_cells_as_their_header(page):
     assert not problems, "\n".join(problems)
 
 
+@pytest.mark.quick
 def test_every_page_under_docs_is_linked_from_the_readme():
     linked = {
         (ROOT / t.partition("#")[0]).resolve() for t in links(ROOT / "README.md") if "://" not in t
@@ -120,6 +125,7 @@ def test_every_page_under_docs_is_linked_from_the_readme():
     assert not orphans, f"docs pages the README does not link: {orphans}"
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_no_page_points_at_private_notes(page):
     text = page.read_text()
@@ -144,6 +150,7 @@ DOC_BLOCKS = [
 ]
 
 
+@pytest.mark.quick
 def test_blocks_run_elsewhere_are_run_there():
     for marker, runner in RUN_ELSEWHERE.items():
         blocks = [b for page in PAGES[1:] for b in _python_blocks(page) if marker in b]
@@ -151,6 +158,7 @@ def test_blocks_run_elsewhere_are_run_there():
         assert "docs/sharding.md" in (ROOT / runner).read_text(), f"{runner} must run it"
 
 
+@pytest.mark.quick
 def test_the_docs_have_code_blocks_to_run():
     assert len(DOC_BLOCKS) >= 2
 
@@ -162,6 +170,7 @@ def test_docs_code_block_runs(block):
     exec(compile(block, "docs code block", "exec"), {})
 
 
+@pytest.mark.quick
 def test_no_code_points_at_private_notes():
     """Docstrings and comments name the documents by title, never the team's private notes."""
     packages = ("flax_attention", "torch_reference", "conformance_tests", "benchmarks", "examples")

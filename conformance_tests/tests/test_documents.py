@@ -32,6 +32,7 @@ def close(name, actual, expected, atol=ATOL):
 INPUTS = torch.from_numpy(doc.INPUTS)
 
 
+@pytest.mark.quick
 def test_weight_free_walkthrough_torch():
     query = INPUTS[1]
     attn_scores_2 = torch.empty(INPUTS.shape[0])
@@ -53,6 +54,7 @@ def test_weight_free_walkthrough_torch():
     close("attn_weights row 2", attn_weights[1], doc.ATTN_WEIGHTS_JOURNEY)
 
 
+@pytest.mark.quick
 def test_weight_free_walkthrough_flax():
     x = jnp.asarray(doc.INPUTS)
     close(
@@ -68,6 +70,7 @@ def test_weight_free_walkthrough_flax():
     close("context_vec_2", context_vecs[1], doc.CONTEXT_VEC_JOURNEY)
 
 
+@pytest.mark.quick
 def test_trainable_weights_seed123():
     torch.manual_seed(123)
     W_query = torch.nn.Parameter(torch.rand(3, 2), requires_grad=False)
@@ -119,6 +122,7 @@ def _seed123_scores():
     return (sa.W_query(INPUTS) @ sa.W_key(INPUTS).T).detach()
 
 
+@pytest.mark.quick
 def test_causal_masking_both_methods_and_dropout_torch():
     attn_scores = _seed123_scores()
     renormalized = tr.causal_attn_weights_renormalized(attn_scores, 2)
@@ -141,6 +145,7 @@ def test_causal_masking_methods_agree_on_random_scores():
     assert float(np.abs(np.asarray(fa_b) - b.numpy()).max()) <= 1e-6
 
 
+@pytest.mark.quick
 def test_causal_masking_functions_make_their_mask_on_the_scores_device():
     # The documents make the mask with torch.ones on the CPU, which CUDA scores rejected (the
     # report's first GPU run stopped there). The meta device fails the same way without a GPU.
@@ -150,6 +155,7 @@ def test_causal_masking_functions_make_their_mask_on_the_scores_device():
         assert weights.device == scores.device and weights.shape == scores.shape
 
 
+@pytest.mark.quick
 def test_causal_masking_both_methods_flax():
     attn_scores = jnp.asarray(_seed123_scores().numpy())
     close(
@@ -164,6 +170,7 @@ def test_causal_masking_both_methods_flax():
     )
 
 
+@pytest.mark.quick
 def test_printed_shapes_with_values():
     batch = torch.stack((INPUTS, INPUTS), dim=0)
     torch.manual_seed(123)

@@ -91,6 +91,7 @@ def test_everything_else_is_nnx_dropouts_own_call():
         assert _draw_shapes(lambda x, k: Dropout(0.5)(x, rngs=k), x, key) == [(2, 3, 4)]
 
 
+@pytest.mark.quick
 def test_every_layer_and_model_draws_through_it():
     layers = [  # built abstractly: their parameters are not drawn
         lambda: fa.CausalAttention(4, 4, 6, 0.1, rngs=nnx.Rngs(0)),

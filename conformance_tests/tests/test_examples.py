@@ -12,6 +12,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 LINEN = runpy.run_path(str(ROOT / "examples" / "linen_bridge.py"))
 
 
+@pytest.mark.quick
 def test_linen_bridge_covers_every_layer():
     import flax_attention as fa
     from conformance_tests.spec import LAYERS

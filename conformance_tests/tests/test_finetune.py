@@ -384,12 +384,14 @@ ENTRIES = [
 SEQUENCES = [[5, 6, 7, 8, 9], [1, 2], [3, PAD, 4, 11, 12, 13, 14], [42]]
 
 
+@pytest.mark.quick
 def test_format_input_is_the_books_prompt():
     for entry in ENTRIES:
         assert instruct.format_input(entry) == book_finetune.format_input(entry)
     assert instruct.format_input(ENTRIES[1]).endswith("### Instruction:\nName a primary colour.")
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("allowed_max_length", [None, 2, 4, 7, 20])
 def test_custom_collate_fn_equals_the_books(allowed_max_length):
     for batch in (SEQUENCES, SEQUENCES[:2], [SEQUENCES[3]]):

@@ -162,6 +162,7 @@ def test_flax_forward_equals_torch(layer, mask, data):
     assert result.passed, _failure("forward", case, dtype, mask, result)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(("layer", "mask"), GROUPS, ids=GROUP_IDS)
 @settings(max_examples=GRAD_EXAMPLES)
 @given(data=st.data())

@@ -208,6 +208,7 @@ def _write_checkpoint(directory: pathlib.Path, source: pathlib.Path, tensors) ->
     return directory
 
 
+@pytest.mark.quick
 def test_hub_names_and_buffers_load_the_same(checkpoint, model, tmp_path):
     """The hub's gpt2 files: no ``transformer.`` prefix, the old ``attn.bias`` mask and
     ``attn.masked_bias`` buffers, an explicit (tied) ``lm_head.weight``."""
@@ -248,6 +249,7 @@ def test_gpt2_names_offered_to_the_default_layout_name_gpt2(checkpoint, model, p
     assert_same_params(target, zeroed(model))  # nothing was written
 
 
+@pytest.mark.quick
 def test_state_dict_names_are_transformers_and_load_back(checkpoint, model):
     """``fa.state_dict(model, layout="gpt2")`` holds transformers' ``state_dict()``: the same
     names (the tied ``lm_head.weight`` a copy of ``wte``; the attention layers come first, so
@@ -300,6 +302,7 @@ def test_bad_checkpoint_rejected_by_name_and_model_unchanged(
     assert named in str(raised.value)
 
 
+@pytest.mark.quick
 def test_checkpoint_directories_missing_files_are_rejected(checkpoint, tmp_path):
     directory, hf = checkpoint
     no_config = tmp_path / "no_config"
@@ -326,6 +329,7 @@ def test_checkpoint_directories_missing_files_are_rejected(checkpoint, tmp_path)
         GPTModel.from_pretrained(sharded)
 
 
+@pytest.mark.quick
 def test_a_hub_name_is_never_downloaded(tmp_path, monkeypatch):
     """``from_pretrained("gpt2")`` (no such directory here) says that hub names are not
     downloaded and how to fetch the files."""
@@ -370,6 +374,7 @@ def test_a_config_without_tie_word_embeddings_is_tied(checkpoint, model, tmp_pat
     assert_same_params(loaded, model)
 
 
+@pytest.mark.quick
 def test_a_layer_norm_epsilon_other_than_the_books_is_refused(checkpoint, tmp_path):
     directory, _ = checkpoint
     message = (
@@ -477,6 +482,7 @@ def test_the_loaded_model_jits_differentiates_and_trains(checkpoint, model, prom
 # ---- errors ------------------------------------------------------------------------------------
 
 
+@pytest.mark.quick
 def test_bad_generate_and_forward_inputs_are_rejected(model, prompts):
     twos = np.ones((2, PROMPT_LEN), int)
     twos[0, 0] = 2

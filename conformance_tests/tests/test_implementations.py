@@ -228,6 +228,7 @@ def test_causal_fully_masked_row_attends_to_its_first_key_only():
         np.testing.assert_allclose(np.asarray(out)[0, 0], v[0, 0], atol=1e-6, err_msg=impl)
 
 
+@pytest.mark.quick
 def test_blocked_skips_the_tiles_the_causal_mask_removes():
     """Query tile ``i`` visits key tiles ``0..i``: with 4 x 4 tiles over 16 tokens that is 10 of
     the 16 tiles, counted from the kernel's own bound."""
@@ -240,6 +241,7 @@ def test_blocked_skips_the_tiles_the_causal_mask_removes():
     assert [int(blocked._first_query_block(config, 0, j)) for j in range(4)] == [0, 1, 2, 3]
 
 
+@pytest.mark.quick
 def test_blocked_masks_only_the_tiles_that_need_it():
     """The causal and padding ``where`` runs on the diagonal tiles and on a last key tile that
     holds padding only: query tile ``i`` sees key tiles ``0..i-1`` entirely (the diagonal tile
@@ -313,6 +315,7 @@ def test_block_sizes_are_an_argument_that_changes_the_tiles_not_the_numbers():
         fa.MultiHeadAttention(4, 4, 4, 0.0, 2, block_sizes=(4, 4), rngs=nnx.Rngs(0))
 
 
+@pytest.mark.quick
 def test_implementations_reject_what_they_cannot_do():
     q = jnp.ones((1, 4, 1, 2))
     with pytest.raises(ValueError, match=r"implementation \('fast'\) must be one of"):
@@ -358,6 +361,7 @@ def test_the_implementations_are_one_table_and_attend_takes_an_attention_mask():
     np.testing.assert_array_equal(core.attend(q, q, q, implementation="reference"), unmasked)
 
 
+@pytest.mark.quick
 def test_none_picks_reference_for_weights_and_a_tiled_kernel_for_long_inputs():
     short, long = jnp.ones((1, 8, 1, 2)), jnp.ones((1, 512, 1, 2))
     dropout = nnx.Dropout(0.5, rngs=nnx.Rngs(0))
@@ -402,6 +406,7 @@ def test_a_dropout_of_your_own_is_applied_to_the_weights_by_reference():
         )
 
 
+@pytest.mark.quick
 @pytest.mark.skipif(not native.available(), reason=f"native: {native.why_unavailable()}")
 def test_naming_native_checks_the_values_dtype_once_in_the_core():
     q = jnp.ones((1, 8, 1, 4))
@@ -606,6 +611,7 @@ def test_keys_and_values_heads_first_give_the_same_call(implementation, name):
     _assert_all_close(expected, actual, f"{implementation} {name}")
 
 
+@pytest.mark.quick
 def test_none_on_a_gpu_or_tpu_runs_xla_from_the_tiled_kernels_bound_reference_below(monkeypatch):
     """Off the CPU: ``xla`` (``reference`` while dropout is active); below
     ``BLOCKED_MIN_SCORES`` scores per head ``reference`` on every backend (one query and one key

@@ -7,6 +7,8 @@ from __future__ import annotations
 import ast
 import pathlib
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGES = ("flax_attention", "torch_reference", "conformance_tests", "benchmarks", "examples")
 
@@ -98,6 +100,7 @@ def test_the_graph_sees_imports_inside_functions():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
 
 
+@pytest.mark.quick
 def test_no_import_cycles():
     found = [" -> ".join(cycle) for cycle in cycles(import_graph())]
     assert not found, "import cycles:\n" + "\n".join(found)

@@ -78,6 +78,7 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+@pytest.mark.quick
 def test_the_import_graph_of_flax_attention_has_no_cycle():
     graph = import_graph()
     assert "flax_attention.core" in graph and "flax_attention.kernels.blocked" in graph
@@ -86,6 +87,7 @@ def test_the_import_graph_of_flax_attention_has_no_cycle():
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
+@pytest.mark.quick
 def test_sharding_imports_no_layer_and_the_bottom_modules_import_nothing_of_the_package():
     graph = import_graph()
     assert not graph["flax_attention.sharding"] & LAYER_MODULES, graph["flax_attention.sharding"]
@@ -108,6 +110,7 @@ def test_sharding_imports_no_layer_and_the_bottom_modules_import_nothing_of_the_
         assert graph[kernel] == imports, f"{kernel}: {graph[kernel]}"
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(
     ("source", "expected"),
     [
@@ -131,6 +134,7 @@ def test_the_checker_sees_every_kind_of_import(tmp_path, source, expected):
     assert _imports(probe, modules, name="flax_attention.probe") == expected
 
 
+@pytest.mark.quick
 def test_the_checker_finds_a_cycle():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}
     assert _cycle(graph) == ["a", "b", "c", "a"]

@@ -126,6 +126,7 @@ def test_each_layout_exports_its_names_and_loads_them_back_exactly(layout, qkv_b
         assert np.array_equal(fa.state_dict(fresh)[key], value), f"{layout}: {key}"
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("layout", ["documents", "torch_nn", "fused_qkv"])
 def test_multiheaded_attention_layouts_round_trip(layout):
     layer = _mhd()
@@ -162,6 +163,7 @@ def test_a_layout_a_layer_cannot_take_is_refused_by_name(make, layout, name):
         fa.load_state_dict(layer, {}, layout=layout)
 
 
+@pytest.mark.quick
 def test_bad_layout_prefix_and_sizes_are_refused():
     layer = _mha()
     with pytest.raises(ValueError, match=r"layout \('hf'\) must be one of \('documents', "):
@@ -177,6 +179,7 @@ def test_bad_layout_prefix_and_sizes_are_refused():
         fa.load_state_dict(_mha(d_in=4, seed=2), fa.state_dict(wide, layout=layout), layout=layout)
 
 
+@pytest.mark.quick
 def test_the_mask_buffer_is_never_required_and_is_checked_when_present():
     layer = _mha()
     state = fa.state_dict(layer)
@@ -315,6 +318,7 @@ def test_bad_content_in_a_layout_names_the_prefixed_key_and_changes_nothing(case
             assert np.array_equal(loaded[name], value.astype(loaded[name].dtype)), f"{case}: {name}"
 
 
+@pytest.mark.quick
 def test_a_fused_key_whose_value_third_overflows_loads_none_of_its_parts():
     # c_attn.weight is (d_in, 3 d_out): columns 0:6 W_query, 6:12 W_key, 12:18 W_value. Only the
     # value third overflows float16; the query and key thirds are fine but must not be written.
@@ -334,6 +338,7 @@ def test_a_fused_key_whose_value_third_overflows_loads_none_of_its_parts():
     assert np.array_equal(after["out_proj.weight"], state["c_proj.weight"].T.astype(np.float16))
 
 
+@pytest.mark.quick
 def test_prefix_selects_one_layer_and_strictness_is_under_it():
     layers = [_mha(seed=i) for i in range(3)]
     whole = {}
@@ -353,6 +358,7 @@ def test_prefix_selects_one_layer_and_strictness_is_under_it():
     ]
 
 
+@pytest.mark.quick
 def test_files_carry_layout_and_prefix(tmp_path):
     layer = _mha()
     path = tmp_path / "model.safetensors"
@@ -505,6 +511,7 @@ def test_fused_qkv_is_the_books_combined_qkv_module_both_ways(qkv_bias):
     _close("the book's combined-QKV module from our export", back, ours(x.numpy()))
 
 
+@pytest.mark.quick
 def test_fused_qkv_takes_nanogpt_keys_renamed():
     torch.manual_seed(1)
     peer = NanoGPTAttention(8, 2, 7).eval()

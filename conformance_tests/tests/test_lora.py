@@ -163,6 +163,7 @@ def test_the_update_is_scaled_by_alpha_over_rank_and_starts_at_nothing():
 # ---- the model: which layers, which names -------------------------------------------------------
 
 
+@pytest.mark.quick
 def test_every_linear_is_wrapped_and_the_state_dict_has_the_books_keys(base):
     """Appendix E's model: a new 2-class ``out_head`` (biased), then LoRA everywhere; the same
     keys as the book's ``state_dict()``, in both directions, and the same trainable count."""
@@ -259,6 +260,7 @@ def test_the_trained_model_and_the_books_lora_checkpoint_equal_the_book(trained,
     assert error <= TOL, f"logits of the loaded checkpoint: {error:.2e} > {TOL}"
 
 
+@pytest.mark.quick
 def test_merge_lora_equals_the_unmerged_model_and_the_books_plain_model(trained):
     twin, _, model, _, _ = trained
     merged = nnx.clone(model)
@@ -353,6 +355,7 @@ def test_bad_arguments_name_the_argument():
         assert str(caught.value).startswith(message), str(caught.value)
 
 
+@pytest.mark.quick
 def test_a_lora_state_dict_of_another_rank_names_both_shapes_and_loads_nothing(base):
     twin = _book_lora_twin(base)
     other = book_gpt.GPTModel(CFG)
@@ -372,6 +375,7 @@ def test_a_lora_state_dict_of_another_rank_names_both_shapes_and_loads_nothing(b
     assert_untouched(model, before, "a refused LoRA load")
 
 
+@pytest.mark.quick
 def test_lora_and_plain_state_dicts_meeting_the_other_model_say_so_and_load_nothing(base):
     plain = models.GPTModel(CFG, rngs=nnx.Rngs(0))
     lora_sd = _numpy(_book_lora_twin(base).state_dict())

@@ -214,6 +214,7 @@ def test_read_pth_reads_the_books_two_checkpoint_files(tmp_path, weights, batche
         assert not np.array_equal(loaded["tok_emb.weight"], weights["tok_emb.weight"])
 
 
+@pytest.mark.quick
 def test_tied_head_exports_the_embedding_and_refuses_a_different_head(weights):
     cfg = {**CFG, "tie_word_embeddings": True}
     tied_weights = {**weights, "out_head.weight": weights["tok_emb.weight"].copy()}
@@ -449,6 +450,7 @@ def test_adamw_training_equals_the_books_loop(trained, weights):
     assert moved > 100 * TRAIN_TOL, f"training moved the head by only {moved:.2e}"
 
 
+@pytest.mark.quick
 def test_train_step_updates_in_place(weights, batches):
     """The step donates the model's and the optimiser's arrays (torch's in-place
     ``optimizer.step()``): the old ones are deleted, the new ones hold the step's result, and a
@@ -574,6 +576,7 @@ def test_dropout_trains_with_a_finite_loss_other_than_eval_mode(weights, batches
     assert not np.array_equal(moved, weights["out_head.weight"]), "the step changed nothing"
 
 
+@pytest.mark.quick
 def test_a_load_keeps_each_parameters_placement(weights):
     """Parameters drawn eagerly are not committed to a device; a load that committed them
     (while a fresh optimiser's moments are not) gave ``train_step`` other argument placements
@@ -597,6 +600,7 @@ def test_a_load_keeps_each_parameters_placement(weights):
 # ---- bad inputs ---------------------------------------------------------------------------------
 
 
+@pytest.mark.quick
 def test_bad_config_is_refused_by_name():
     with pytest.raises(ValueError, match="cfg key 'dropout'"):
         models.GPTModel({**CFG, "dropout": 0.1}, rngs=nnx.Rngs(0))
@@ -625,6 +629,7 @@ def test_bad_config_is_refused_by_name():
             models.GPTModel({**CFG, key: value}, rngs=nnx.Rngs(0))
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(
     "options, named",
     [
@@ -660,6 +665,7 @@ def test_the_books_names_loaded_as_gpt2_name_the_layout_and_load_nothing(weights
         np.testing.assert_array_equal(value, weights[key], err_msg=f"{key} changed")
 
 
+@pytest.mark.quick
 def test_read_pth_names_a_missing_file_and_a_pickled_module(tmp_path):
     """``torch.save(model)`` (the module, not its ``state_dict()``) and a missing file: each
     message names ``path``, what ``read_pth`` reads, and what the file held."""
@@ -715,6 +721,7 @@ def test_state_dict_of_another_size_changes_nothing(weights):
     )
 
 
+@pytest.mark.quick
 def test_wrong_causal_mask_buffer_changes_nothing(weights):
     model = _flax(weights)
     other = _numpy(_twin(seed=1).state_dict())
@@ -724,6 +731,7 @@ def test_wrong_causal_mask_buffer_changes_nothing(weights):
     )
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(
     "idx, kwargs, error, named",
     [

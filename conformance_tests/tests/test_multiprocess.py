@@ -180,6 +180,7 @@ def test_gpt_called_outside_jit_on_a_batch_over_processes_equals_one_device(two_
 # ---- without a launch -------------------------------------------------------------------------
 
 
+@pytest.mark.quick
 def test_global_batch_checks_the_share_and_the_batch_size():
     mesh = jax.make_mesh((1, 1), ("data", "model"))
     x = np.arange(12, dtype=np.float32).reshape(4, 3)
@@ -198,6 +199,7 @@ def test_global_batch_checks_the_share_and_the_batch_size():
         global_batch(x, (1, 1))
 
 
+@pytest.mark.quick
 def test_processes_that_do_not_divide_the_data_axis_are_refused():
     """Two processes of three devices on a ``(3, 2)`` mesh share data slice 1; two of two on
     ``(2, 2)`` (slices apart) or ``(1, 4)`` (both feed the one slice) are fine."""
@@ -214,6 +216,7 @@ def test_processes_that_do_not_divide_the_data_axis_are_refused():
         check_data_over_processes(3, {0: (0, 1), 1: (2,)})
 
 
+@pytest.mark.quick
 def test_place_reads_each_slice_once_and_carries_typed_keys():
     mesh = jax.make_mesh((1, 1), ("data", "model"))
     source = EXAMPLE["CountingSource"](np.arange(6, dtype=np.float64).reshape(2, 3))
@@ -230,6 +233,7 @@ def test_place_reads_each_slice_once_and_carries_typed_keys():
     np.testing.assert_array_equal(np.asarray(again), source.value)
 
 
+@pytest.mark.quick
 def test_shard_places_an_abstract_model_where_a_load_then_puts_each_tensor():
     """``fa.shard`` of an abstract (``nnx.eval_shape``) layer gives every parameter its
     sharding without drawing a value; ``load_state_dict`` then places each tensor there."""
@@ -250,6 +254,7 @@ def test_shard_places_an_abstract_model_where_a_load_then_puts_each_tensor():
     np.testing.assert_array_equal(np.asarray(loaded), np.asarray(made.W_query.kernel[...]))
 
 
+@pytest.mark.quick
 def test_the_launcher_refuses_bad_counts_and_an_empty_command():
     with pytest.raises(ValueError, match=r"^processes \(0\) must be positive \(an integer >= 1\)$"):
         launcher.launch(["true"], 0)
@@ -262,6 +267,7 @@ def test_the_launcher_refuses_bad_counts_and_an_empty_command():
         launcher.launch([], 2)
 
 
+@pytest.mark.quick
 def test_the_launcher_sets_each_process_its_variables(tmp_path):
     code = (
         "import os; e = os.environ; print(e['FLAX_ATTENTION_COORDINATOR'], "
@@ -275,6 +281,7 @@ def test_the_launcher_sets_each_process_its_variables(tmp_path):
     assert [line[1:] for line in lines] == [["2", "0", "3", "cpu"], ["2", "1", "3", "cpu"]]
 
 
+@pytest.mark.quick
 def test_a_failing_process_ends_the_run_and_its_group_is_killed(tmp_path):
     """Process 1 fails at once; process 0 (which would sleep 60 s, and has a child of its own
     doing the same) is killed with its child: the run ends in seconds, not a minute."""
@@ -307,6 +314,7 @@ FIRST_FAILS = (
 )
 
 
+@pytest.mark.quick
 def test_a_failure_of_process_0_fails_the_run(tmp_path):
     """Process 0 is a process like the others: its failure ends the run in seconds (process 1
     killed) and is reported as ``failed == 0``, not ``ok``."""
@@ -352,6 +360,7 @@ def test_the_command_line_exits_with_the_failing_process_s_status(capsys):
     assert "process 0 exited with 3; the others were killed" in capsys.readouterr().err
 
 
+@pytest.mark.quick
 def test_initialize_names_a_variable_that_is_not_a_number(monkeypatch):
     monkeypatch.setenv(launcher.COORDINATOR, "localhost:1")
     monkeypatch.setenv(launcher.NUM_PROCESSES, "two")

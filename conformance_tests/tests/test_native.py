@@ -227,6 +227,7 @@ def _widest_vectors() -> int:
     return 8 if {"avx2", "fma", "bmi2"} <= flags else 4
 
 
+@pytest.mark.quick
 @pytestmark_native
 def test_products_follow_the_cpu():
     """The portable library's micro-kernel copy is the widest this CPU runs (a one-arch build's
@@ -382,6 +383,7 @@ def test_bfloat16_inputs():
     _assert_close(expected, actual, "bf16", rtol=BF16_RTOL)
 
 
+@pytest.mark.quick
 @pytestmark_native
 def test_vmap_equals_batch():
     """``vmap`` over a leading axis (each mapped element runs the kernel) equals one call on the
@@ -463,6 +465,7 @@ def test_dropout_hash_keeps_one_minus_rate():
         dropout_hash.threshold(1.0)
 
 
+@pytest.mark.quick
 @pytestmark_native
 def test_bad_inputs_name_the_argument():
     x = jnp.ones((1, 4, 1, 16), jnp.float16)
@@ -513,6 +516,7 @@ def test_shard_map_over_heads():
     assert devices == "2" and float(err) == 0.0
 
 
+@pytest.mark.quick
 @pytestmark_native
 def test_the_library_records_the_jaxlib_whose_ffi_it_was_built_for():
     """The loader compares this with the running jaxlib before registering: a library built

@@ -103,6 +103,7 @@ def test_all_equal_scores_give_uniform_weights(layer, scale):
     assert result.passed, f"{layer} equal scores x {scale}: {result.worst} {result.max_abs_err:.3e}"
 
 
+@pytest.mark.quick
 def test_softmax_naive_overflows_as_the_document_computes_it():
     """Document 003's ``softmax_naive`` has no max subtraction. Both packages agree up to scores
     of ~86; exp(89) overflows float32, so both give NaN there. Between them the packages differ:

@@ -94,6 +94,7 @@ def test_the_layers_need_exactly_the_declared_dependencies():
     assert DEPENDENCIES <= set(imported)
 
 
+@pytest.mark.quick
 def test_the_reference_report_and_tests_need_only_their_extras():
     assert _imports(_files("torch_reference")).keys() <= {"torch"} | DEPENDENCIES
     assert "torch" in _extra("torch")
@@ -108,6 +109,7 @@ def test_the_reference_report_and_tests_need_only_their_extras():
     assert {"pytest", "pytest-xdist", "hypothesis", "ruff", "transformers", "tokenizers"} <= dev
 
 
+@pytest.mark.quick
 def test_lower_bounds_are_the_checked_versions():
     bounds = dict(re.match(r"([\w-]+)>=([\d.]+)$", r).groups() for r in PROJECT["dependencies"])
     assert bounds["jax"] == "0.8.1" and bounds["flax"] == "0.12.4", bounds
@@ -115,6 +117,7 @@ def test_lower_bounds_are_the_checked_versions():
     assert "jax 0.8.1 and flax 0.12.4" in readme, "the README must name the checked versions"
 
 
+@pytest.mark.quick
 def test_no_generic_top_level_package_is_installed_and_types_are_shipped():
     include = PYPROJECT["tool"]["setuptools"]["packages"]["find"]["include"]
     assert sorted(include) == ["conformance_tests*", "flax_attention*", "torch_reference*"]
@@ -122,6 +125,7 @@ def test_no_generic_top_level_package_is_installed_and_types_are_shipped():
     assert (ROOT / "flax_attention" / "py.typed").is_file()
 
 
+@pytest.mark.quick
 def test_the_wheel_ships_no_test_modules():
     """The packages ``pip install .`` ships, found as the build finds them (pyproject's
     ``packages.find``, namespaces on, its default there), and the modules in them: the layers,
@@ -156,6 +160,7 @@ def test_importing_the_layers_loads_no_torch_matplotlib_or_tqdm():
     assert int(done.stdout) >= 20
 
 
+@pytest.mark.quick
 def test_the_report_without_torch_says_what_to_install(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "torch", None)  # what find_spec sees when it is absent
     assert cli.main(["--cases", "doc_*"]) == 2
@@ -167,6 +172,7 @@ def test_the_report_without_torch_says_what_to_install(monkeypatch, capsys):
     assert "pip install -e '.[report]'" in lines[2], message
 
 
+@pytest.mark.quick
 def test_the_report_without_matplotlib_says_so_only_for_plots(monkeypatch, capsys, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     assert cli.missing_requirements(plots=False) is None

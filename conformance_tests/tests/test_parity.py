@@ -73,6 +73,7 @@ def test_a_users_pair_passes_every_parity_check():
         np.testing.assert_array_equal(value, before[key], err_msg=key)
 
 
+@pytest.mark.quick
 def test_a_users_pair_that_differs_fails_by_name():
     theirs, ours, x = _pair(scale=1.001)  # a 0.1% scale bug on the torch side
     rows = check_parity(theirs, ours, [x], key_map=KEY_MAP, checks=("forward", "grad"))
@@ -92,6 +93,7 @@ def test_a_users_pair_that_differs_fails_by_name():
         check_parity(theirs, ours, [x], key_mapping=KEY_MAP)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(
     "options, error, message",
     [
@@ -110,6 +112,7 @@ def test_bad_parity_options_are_rejected_by_name(options, error, message):
         check_parity(theirs, ours, [x], checks=("forward",), **options)
 
 
+@pytest.mark.quick
 def test_own_weight_transfer_and_few_train_steps():
     """``weights=(load, export)`` in place of the key map gives the same rows; ``train_steps``
     compares after the last step."""

@@ -170,6 +170,7 @@ def test_gpt2_old_checkpoint_buffers_are_checked_and_model_keys_load_by_prefix()
         fa.load_state_dict(layer, state, layout="gpt2", prefix="h.1.attn.")
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(
     "option, value, message",
     [
@@ -195,6 +196,7 @@ def test_gpt2_options_no_layer_expresses_are_refused_by_name(option, value, mess
         fa.from_torch(GPT2Attention(GPT2Config(n_embd=8, n_head=2), 0), context_length=4)
 
 
+@pytest.mark.quick
 def test_gpt2_reorder_and_upcast_is_the_same_function():
     config, attn = _gpt2(16, 4, 8, "eager")
     config.reorder_and_upcast_attn = True
@@ -274,6 +276,7 @@ def test_torch_nn_causal_via_attn_mask_both_ways(bias):
     _close("load_state_dict(layout='torch_nn')", other(x.numpy()), want, SMALL)
 
 
+@pytest.mark.quick
 def test_torch_nn_separate_projections_load_like_the_packed_one():
     """``q_proj_weight``/``k_proj_weight``/``v_proj_weight`` (torch's form when kdim or vdim
     differ from embed_dim) load when their sizes are the layer's; other sizes are refused,
@@ -300,6 +303,7 @@ def test_torch_nn_separate_projections_load_like_the_packed_one():
     assert "v_proj_weight: shape (8, 6) must be (8, 8) (torch's vdim must equal d_in)" in message
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(
     "options, message",
     [
@@ -324,6 +328,7 @@ def test_torch_nn_options_no_layer_expresses_are_refused_by_name(options, messag
             )
 
 
+@pytest.mark.quick
 def test_from_torch_option_errors():
     module = torch.nn.MultiheadAttention(8, 2)
     with pytest.raises(ValueError, match=r"context_length \(None\) must be given with causal"):

@@ -40,6 +40,7 @@ def _call(module, x):
     return module(*(x,) * len(LAYER_SPECS[type(module).__name__].inputs))
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("name", LAYERS)
 def test_torch_file_flax_file_torch_is_bit_identical(name, tmp_path):
     tm, fm, _ = _pair(name)
@@ -66,6 +67,7 @@ def _snapshot(fm):
     return {k: np.array(v) for k, v in fa.state_dict(fm).items()}
 
 
+@pytest.mark.quick
 def test_failed_strict_load_names_every_key_and_changes_nothing():
     tm, fm, _ = _pair("MultiHeadAttention")
     before = _snapshot(fm)
@@ -87,6 +89,7 @@ def test_failed_strict_load_names_every_key_and_changes_nothing():
         np.testing.assert_array_equal(after[key], value, err_msg=f"{key} changed")
 
 
+@pytest.mark.quick
 def test_non_strict_load_loads_the_good_keys_and_reports_the_rest():
     tm, fm, _ = _pair("CausalAttention")
     good = {k: v.numpy() for k, v in tm.state_dict().items()}
@@ -99,6 +102,7 @@ def test_non_strict_load_loads_the_good_keys_and_reports_the_rest():
     np.testing.assert_array_equal(np.asarray(fm.W_query.kernel[...]), good["W_query.weight"].T)
 
 
+@pytest.mark.quick
 def test_corrupt_file_raises_and_changes_nothing(tmp_path):
     tm, fm, _ = _pair("SelfAttention_v2")
     path = tmp_path / "w.safetensors"
@@ -188,6 +192,7 @@ def test_multiheaded_attention_equals_flax_nnx_for_cross_attention_with_padding(
     np.testing.assert_allclose(np.asarray(ours_out), np.asarray(theirs), rtol=0, atol=1e-6)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("attn_mask", ["causal", "padding"])
 def test_torch_layers_equal_torch_nn_multihead_attention(attn_mask):
     d, heads, t, s = 12, 3, 6, 9
@@ -235,6 +240,7 @@ def test_torch_layers_equal_torch_nn_multihead_attention(attn_mask):
 # ---- the shared surface -----------------------------------------------------------------------
 
 
+@pytest.mark.quick
 def test_shared_names_and_checks_are_identical():
     assert set(tr.__all__) <= set(fa.__all__)
     import importlib

@@ -74,6 +74,7 @@ def test_each_copy_of_the_kernel_equals_a_float64_product(level):
     assert not bad, f"level {level} ({narrow.levels()[level]}): {bad}"
 
 
+@pytest.mark.quick
 @needs_narrow
 def test_a_level_this_cpu_does_not_run_is_refused_by_name():
     with pytest.raises(ValueError, match=r"level \(7\) must be one this CPU runs"):

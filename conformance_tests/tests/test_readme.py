@@ -8,6 +8,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
 
@@ -16,6 +18,7 @@ def _blocks(language):
     return re.findall(rf"```{language}\n(.*?)```", README, flags=re.S)
 
 
+@pytest.mark.quick
 def test_readme_is_short():
     lines = len(README.splitlines())
     assert lines <= 160, f"README.md has {lines} lines: reference material belongs in docs/"
@@ -46,6 +49,7 @@ def test_flax_only_example_runs_without_torch():
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
 
 
+@pytest.mark.quick
 def test_quickstart_runs_and_checks_parity():
     (quickstart,) = [b for b in _blocks("python") if "fa.load_state_dict" in b]
     assert len(quickstart.strip().splitlines()) <= 16
@@ -59,6 +63,7 @@ def test_quickstart_runs_and_checks_parity():
     assert abs(back - y_torch).max() == 0.0, "the weights sent back to torch changed its output"
 
 
+@pytest.mark.quick
 def test_ci_runs_the_readme_commands():
     commands = [b.strip() for b in _blocks("bash")]
     (report,) = [c for c in commands if "python -m conformance_tests" in c]
@@ -76,6 +81,7 @@ def test_ci_runs_the_readme_commands():
     assert report == develop + " && python -m conformance_tests"
 
 
+@pytest.mark.quick
 def test_layer_table_names_every_layer_and_spec_case():
     """Every name in the layer table exists in both packages, every spec-case pattern matches a
     case, and every case and public layer of the documents is in the table."""
@@ -100,3 +106,27 @@ def test_layer_table_names_every_layer_and_spec_case():
         assert fnmatch.filter(names, pattern), f"{pattern} matches no spec case"
     missed = [n for n in names if not any(fnmatch.fnmatch(n, p) for p in patterns)]
     assert not missed, f"spec cases the table does not name: {missed}"
+
+
+@pytest.mark.quick
+def test_the_quick_marker_the_readme_names_holds_tests_of_every_file():
+    """``-m quick`` (the README's edit loop) runs some tests of every test file: each file marks
+    at least one function ``@pytest.mark.quick``, and the marker is registered."""
+    import ast
+
+    unmarked = []
+    for path in sorted(
+        [*ROOT.glob("conformance_tests/tests/test_*.py"), *ROOT.glob("benchmarks/tests/test_*.py")]
+    ):
+        tree = ast.parse(path.read_text())
+        marks = {
+            ast.unparse(decorator)
+            for node in tree.body
+            if isinstance(node, ast.FunctionDef) and node.name.startswith("test_")
+            for decorator in node.decorator_list
+        }
+        if "pytest.mark.quick" not in marks:
+            unmarked.append(path.name)
+    assert not unmarked, unmarked
+    assert "`-m quick`: each file's fastest tests" in README
+    assert '"quick:' in (ROOT / "pyproject.toml").read_text()

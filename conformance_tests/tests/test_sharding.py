@@ -121,6 +121,7 @@ def test_cli_runs_the_spec_on_a_mesh(tmp_path):
     assert "1 passed, 0 failed, 1 case(s) skipped" in done.stdout
 
 
+@pytest.mark.quick
 def test_cli_mesh_errors_say_what_to_do(capsys):
     """In this process (one CPU device unless XLA_FLAGS says otherwise): a mesh larger than the
     devices present, and a malformed ``--mesh``, exit 2 with a message saying what to do."""

@@ -47,6 +47,7 @@ def test_spec_case(case, check, dtype, tmp_path):
     assert all(r.passed for r in rows), _describe(rows)
 
 
+@pytest.mark.quick
 def test_every_case_name_is_unique_and_every_layer_covered():
     names = [c.name for c in spec.ALL_CASES]
     assert len(names) == len(set(names))
@@ -92,6 +93,7 @@ def test_every_layer_spec_matches_both_packages():
         assert len(t_out) == len(f_out) == len(names), (case.name, names)
 
 
+@pytest.mark.quick
 def test_each_tensor_is_held_to_its_own_bound_and_the_row_names_the_worst():
     """Worked by hand, tol 1e-5 (errors powers of two, exact in float32): ``big`` (max|ref| 100,
     bound 1e-3) errs 2^-11 = 4.9e-4, 0.49 of its bound; ``small`` (max|ref| 0.5, bound 1e-5: the
@@ -112,6 +114,7 @@ def test_each_tensor_is_held_to_its_own_bound_and_the_row_names_the_worst():
     assert result.err_over_bound == pytest.approx(2**-9 / 1e-3, rel=1e-12)
 
 
+@pytest.mark.quick
 def test_the_grad_check_rounds_each_operation_on_its_own(tmp_path):
     """The grad check compiles with XLA's fusion off (``grad.UNFUSED``): ``v1_wide``'s ``W_key``
     gradient, a float32 cancellation in a saturated softmax, keeps the row at 0.08 of its bound as
@@ -174,6 +177,7 @@ def test_a_wrong_scale_fails_the_report(monkeypatch, tmp_path):
     assert {r["case"] for r in rows if not r["passed"]} >= {"doc_v1_seed123", "doc_mha_2heads"}
 
 
+@pytest.mark.quick
 @pytest.mark.usefixtures("fresh_traces")
 def test_a_leaky_causal_mask_fails_the_mask_check(monkeypatch, tmp_path):
     import flax_attention.core as core
@@ -205,6 +209,7 @@ def test_a_bad_dropout_scale_fails_the_dropout_check(monkeypatch, tmp_path):
     assert [r["check"] for r in rows if not r["passed"]] == ["dropout/stats"]
 
 
+@pytest.mark.quick
 def test_report_rows_have_the_api_fields(tmp_path):
     code, rows = _report(tmp_path, "--cases", "doc_v1_seed123", "--checks", "forward")
     assert code == 0
@@ -293,6 +298,7 @@ def test_the_whole_models_rows_pass_in_the_json_and_are_printed(model_report):
     assert f"{len(rows)} passed, 0 failed" in printed[-1]
 
 
+@pytest.mark.quick
 def test_the_model_train_rows_leave_out_only_the_key_biases():
     """The trajectories compare every parameter but the key projections' biases at each
     snapshot, and every step's loss; those biases are held by the ``train/key_bias`` row."""
@@ -309,6 +315,7 @@ def test_the_model_train_rows_leave_out_only_the_key_biases():
     assert set(reference) == set(actual) == expected
 
 
+@pytest.mark.quick
 def test_help_names_the_whole_model_cases(capsys):
     with pytest.raises(SystemExit):
         cli.parse_args(["--help"])
@@ -359,6 +366,7 @@ def test_an_int8_product_off_by_a_tenth_of_a_percent_fails_the_int8_row(monkeypa
     assert [(r["check"], r["passed"]) for r in rows] == [("forward", True), ("forward/int8", False)]
 
 
+@pytest.mark.quick
 def test_the_docs_list_every_whole_model_case_and_its_rows():
     """docs/conformance.md's table of the whole models names every case, and its printed rows
     are the rows the report gives, in its order."""
@@ -373,6 +381,7 @@ def test_the_docs_list_every_whole_model_case_and_its_rows():
     assert printed == MODEL_ROWS, printed
 
 
+@pytest.mark.quick
 def test_a_check_that_raises_fails_its_row_and_the_report_goes_on(monkeypatch, tmp_path, capsys):
     """A check that cannot run (on an H100, XLA refused to compile one float16 case) is one
     failed row naming the exception, not a traceback that ends the report."""

@@ -132,6 +132,7 @@ PINNED = {
 }
 
 
+@pytest.mark.quick
 def test_every_entry_is_corrupted_or_pinned():
     assert set(CORRUPTED) | set(PINNED) == set(TOLERANCES)
     assert not set(CORRUPTED) & set(PINNED)

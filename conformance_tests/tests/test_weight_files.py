@@ -153,6 +153,7 @@ BAD_CONTENT = {
 }
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("case", BAD_CONTENT)
 def test_bad_content_raises_naming_file_and_key_and_changes_nothing(case, tmp_path):
     damage, key, kind = BAD_CONTENT[case]
@@ -193,6 +194,7 @@ def test_bad_content_raises_naming_file_and_key_and_changes_nothing(case, tmp_pa
             assert not np.array_equal(before[name], loaded), f"{case}: {name} was already equal"
 
 
+@pytest.mark.quick
 def test_values_that_overflow_the_parameter_dtype_are_refused(tmp_path):
     state = _torch_state()
     state["W_query.weight"][0, 0] = 1e6  # finite in float32, inf in float16
@@ -246,6 +248,7 @@ NON_FINITE = {
 }
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("case", NON_FINITE)
 def test_nan_or_inf_is_refused_by_its_own_line(case, tmp_path):
     key, index, value = NON_FINITE[case]
@@ -285,6 +288,7 @@ _FORBIDDEN = {
 }
 
 
+@pytest.mark.quick
 def test_nothing_in_the_project_unpickles():
     # the patterns catch what they must (spelt in pieces so this file does not match itself)
     load = "torch.load" + "("
@@ -310,6 +314,7 @@ def test_nothing_in_the_project_unpickles():
     assert not found, "unpickling found:\n" + "\n".join(found)
 
 
+@pytest.mark.quick
 def test_a_skeleton_built_under_a_mesh_loads_on_that_mesh_and_nowhere_else():
     """``nnx.eval_shape`` under ``jax.set_mesh`` lays the skeleton's parameters out on an
     abstract mesh: a load inside the same mesh places them there; outside it (or under another
