@@ -73,6 +73,8 @@ def set_linear_axes(linear: nnx.Linear, axes: LinearAxes) -> nnx.Linear:
 #: The most rows a product sends to the narrow-weight kernel (``kernels.native.narrow``): a
 #: decode step's batch. Longer products (prefill, training) are XLA's.
 NARROW_ROWS = 16
+#: The weights the narrow-weight kernel reads at their own width.
+_NARROW_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.int8))
 
 
 def narrow_product_ok(rows: int, weight) -> bool:
@@ -81,7 +83,7 @@ def narrow_product_ok(rows: int, weight) -> bool:
     outside any mesh (a custom call would gather a sharded weight onto every device)."""
     if not 1 <= rows <= NARROW_ROWS or weight.ndim != 2:
         return False
-    if jnp.dtype(weight.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.int8)):
+    if jnp.dtype(weight.dtype) not in _NARROW_DTYPES:
         return False  # float32: XLA's products (the kernel's float32 path is for the benchmarks)
     if jax.default_backend() != "cpu" or not jax.sharding.get_abstract_mesh().empty:
         return False
@@ -217,11 +219,13 @@ def rows_dot_general(lhs, rhs, dimension_numbers, precision=None, **options):
         and options.get("out_sharding") is None
         and (no_mesh or not any(spec_of(lhs)))
     )
-    if not plain or (lhs.ndim == 2 and not narrow_product_ok(lhs.shape[0], rhs)):
+    narrow = plain and jnp.dtype(rhs.dtype) in _NARROW_DTYPES  # else XLA's, as every float32
+    rows_count = math.prod(lhs.shape[:-1])
+    if not plain or (lhs.ndim == 2 and not (narrow and narrow_product_ok(rows_count, rhs))):
         return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision, **options)
     options.pop("out_sharding", None)
     rows = lhs.reshape(-1, lhs.shape[-1])  # (rows, d_in)
-    if narrow_product_ok(rows.shape[0], rhs):
+    if narrow and narrow_product_ok(rows_count, rhs):
         dtype = options.get("preferred_element_type") or jnp.result_type(lhs, rhs)
         out = _narrow(rows, rhs, tuple(rhs_contracting) == (1,)).astype(dtype)  # (rows, d_out)
     else:

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flax_attention._checks import (
+    check_at_most,
     check_features,
     check_floating,
     check_mask,
@@ -129,21 +130,22 @@ def check_zero_one(mask: np.ndarray) -> None:
         raise ValueError(f"attention_mask (values {values}) must hold only 0 and 1")
 
 
-def check_model_inputs(in_idx, attention_mask, vocab_size: int) -> None:
-    """Outside ``jit`` (concrete arrays) the ids and the mask; traced values go unchecked.
+def check_model_inputs(in_idx, attention_mask, vocab_size: int, context_length: int) -> None:
+    """A model's door: no more tokens than ``context_length`` (the layers inside take the hidden
+    states as they are); outside ``jit`` (concrete arrays) the ids and the mask, traced values
+    unchecked.
 
     An array spread over several JAX processes (a batch from ``global_batch``) is read whole in
-    every process (``fetch``: one compiled copy, run by every process as each calls the model),
-    so each process checks the same values and raises the same error, before any collective of
-    the forward pass that the others would wait on."""
-    named = {"in_idx": in_idx, "attention_mask": attention_mask}
-    concrete = {
-        name: value
-        for name, value in named.items()
-        if value is not None and not isinstance(value, jax.core.Tracer)
-    }
-    values = dict(zip(concrete, fetch(concrete.values()), strict=True))
-    if "in_idx" in values:
-        check_token_ids("in_idx", values["in_idx"], vocab_size)
-    if "attention_mask" in values:
-        check_zero_one(values["attention_mask"])
+    every process (``fetch``: a compiled copy of each, run by every process as each calls the
+    model), so each process checks the same values and raises the same error, before any
+    collective of the forward pass that the others would wait on."""
+    check_at_most("num_tokens", in_idx.shape[-1], "context_length", context_length)
+    for name, x in (("in_idx", in_idx), ("attention_mask", attention_mask)):
+        if x is None or isinstance(x, jax.core.Tracer):
+            continue
+        spread = isinstance(x, jax.Array) and not x.is_fully_addressable
+        x = fetch([x])[0] if spread else np.asarray(x)
+        if name == "in_idx":
+            check_token_ids(name, x, vocab_size)
+        else:
+            check_zero_one(x)

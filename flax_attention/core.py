@@ -122,14 +122,19 @@ def masked_softmax(attn_scores, d_key, mask=None, fill_value=-jnp.inf):
     float32 and the result is cast back to the dtype of ``attn_scores``.
     """
     check_d_key(d_key)
+    if not isinstance(mask, AttentionMask):
+        mask = AttentionMask.build(mask, fill_value=fill_value, dtype=attn_scores.dtype)
+    return _masked_softmax(attn_scores, d_key, mask)
+
+
+def _masked_softmax(attn_scores, d_key: int, mask: AttentionMask):
+    """``masked_softmax`` on the core's own values: ``mask`` an ``AttentionMask``."""
     dtype = attn_scores.dtype
     attn_scores = attn_scores / d_key**0.5
-    if not isinstance(mask, AttentionMask):
-        mask = AttentionMask.build(mask, fill_value=fill_value, dtype=dtype)
     visible = None
     if mask.is_causal:
         t, s = attn_scores.shape[-2:]
-        visible = causal_mask(t, s, mask.query_offset)  # (t, s)
+        visible = mask.visible(jnp.arange(t)[:, None], jnp.arange(s)[None, :])  # (t, s)
     attn_scores = mask.apply(attn_scores, mask.keep, visible)
     compute_dtype = jnp.promote_types(dtype, jnp.float32)
     attn_weights = jax.nn.softmax(attn_scores.astype(compute_dtype), axis=-1)
@@ -192,12 +197,18 @@ def select_implementation(
     thresholds: ``docs/performance.md``, "Choosing an implementation").
     """
     check_choice("kv_layout", kv_layout, KV_LAYOUTS)
+    return _select(queries, keys, values, need_weights, dropout, kv_layout)
+
+
+def _select(queries, keys, values, need_weights, dropout, kv_layout) -> str:
+    """``select_implementation`` on the core's own values."""
     if need_weights:
         return "reference"
     if _dropout_active(dropout) and not isinstance(dropout, nnx.Dropout):
         return "reference"
     queries_count = queries.shape[-3]
-    if queries_count * _kv_length(keys, kv_layout) < BLOCKED_MIN_SCORES:
+    keys_count = keys.shape[-2] if kv_layout == "hsd" else keys.shape[-3]
+    if queries_count * keys_count < BLOCKED_MIN_SCORES:
         return "reference"
     if jax.default_backend() != "cpu":
         return "reference" if _dropout_active(dropout) else "xla"
@@ -205,10 +216,6 @@ def select_implementation(
         return "reference" if queries_count == 1 else "blocked"
     operands = (queries, keys) if values is None else (queries, keys, values)
     return "native" if native.can_run(*operands) else "blocked"
-
-
-def _kv_length(keys, kv_layout) -> int:
-    return keys.shape[-2] if kv_layout == "hsd" else keys.shape[-3]
 
 
 def _check_options(implementation, block_sizes, kv_layout) -> None:
@@ -235,16 +242,6 @@ def _check_choice(implementation, queries, keys, values, *, need_weights, dropou
         )
     if kernel.check is not None:
         kernel.check(queries, keys, values)
-
-
-def _choose(queries, keys, values, implementation, *, need_weights, dropout, kv_layout) -> str:
-    """Validate and select: the implementation this call runs."""
-    if implementation is None:
-        return select_implementation(
-            queries, keys, values, need_weights=need_weights, dropout=dropout, kv_layout=kv_layout
-        )
-    _check_choice(implementation, queries, keys, values, need_weights=need_weights, dropout=dropout)
-    return implementation
 
 
 class _Call(typing.NamedTuple):
@@ -288,21 +285,18 @@ def attend(
             f"mask ({given}) must be an AttentionMask or None (AttentionMask.build makes one "
             "from a boolean mask; dot_product_attention takes the boolean mask itself)"
         )
-    implementation = _choose(
-        queries,
-        keys,
-        values,
-        implementation,
-        need_weights=need_weights,
-        dropout=dropout,
-        kv_layout=kv_layout,
-    )
+    if implementation is None:
+        implementation = _select(queries, keys, values, need_weights, dropout, kv_layout)
+    else:  # the caller's choice must do what the call asks, here
+        _check_choice(
+            implementation, queries, keys, values, need_weights=need_weights, dropout=dropout
+        )
     kernel = _KERNELS[implementation]
     if kv_layout == "hsd" and not kernel.heads_first:
         keys, values = jnp.swapaxes(keys, -3, -2), jnp.swapaxes(values, -3, -2)  # (..., s, h, d)
         kv_layout = "shd"
     call = _Call(dropout, precision, block_sizes, kv_layout, need_weights)
-    if explicit_mesh() is None:
+    if jax.sharding.get_abstract_mesh().empty or explicit_mesh() is None:
         return kernel.run(queries, keys, values, mask, call)
     return _run_with_auto_axes(kernel.run, queries, keys, values, mask, call)
 
@@ -406,8 +400,8 @@ def _tiled_dropout(call: _Call):
 
 
 def _run_reference(queries, keys, values, attention_mask, call: _Call):
-    dropout = call.dropout
-    if call.dropout_key is not None:
+    dropout = call.dropout if _dropout_active(call.dropout) else None
+    if dropout is not None and call.dropout_key is not None:
         dropout = functools.partial(dropout, rngs=call.dropout_key)
     context_vec, attn_weights = _reference(
         queries, keys, values, attention_mask, dropout, call.precision, call.kv_layout
@@ -432,9 +426,7 @@ def _run_blocked(queries, keys, values, attention_mask, call: _Call):
 
 def _run_native(queries, keys, values, attention_mask, call: _Call):
     rate, seed = _tiled_dropout(call)
-    return native.native_attention(
-        queries, keys, values, attention_mask, dropout_rate=rate, dropout_seed=seed
-    )
+    return native._attend(queries, keys, values, attention_mask, rate, seed)
 
 
 def _check_native(queries, keys, values) -> None:
@@ -485,7 +477,7 @@ def _reference(queries, keys, values, attention_mask, dropout, precision, kv_lay
     attn_scores = jnp.einsum(
         f"...thd,{kv}->...hts", queries, keys, precision=precision
     )  # (..., h, t, s)
-    attn_weights = masked_softmax(attn_scores, d_key, attention_mask)  # (..., h, t, s)
+    attn_weights = _masked_softmax(attn_scores, d_key, attention_mask)  # (..., h, t, s)
     if dropout is not None:
         attn_weights = dropout(attn_weights)
     context_vec = jnp.einsum(

@@ -38,7 +38,7 @@ class MultiHeadAttention(decode_cache.CachedLayer, nnx.Module):
 
     ``x`` ``(..., num_tokens, d_in)`` -> ``(..., num_tokens, d_out)``.
     ``torch_reference/multihead.py`` is the documents' code; its ``forward`` maps to
-    ``__call__`` here:
+    ``_forward`` here (``__call__`` checks ``x``, then runs it):
 
     ==================================================  =========================================
     document (``torch_reference/multihead.py``)          here
@@ -117,9 +117,9 @@ class MultiHeadAttention(decode_cache.CachedLayer, nnx.Module):
             self, batch_size, max_length, dtype, heads=self.num_heads, head_dim=self.head_dim
         )
 
-    def _split_heads(self, x):
+    def _split_heads(self, x, on_mesh: bool):
         x = x.reshape(*x.shape[:-1], self.num_heads, self.head_dim)  # (..., t, h, d)
-        return constrain(x, HEADS)  # on a mesh: each head stays on its device
+        return constrain(x, HEADS) if on_mesh else x  # on a mesh: each head stays on its device
 
     def __call__(self, x: jax.Array, *, decode: bool = False, mask=None) -> jax.Array:
         """``x`` ``(..., t, d_in)`` -> ``(..., t, d_out)``. Flax options: ``decode`` (continue the
@@ -127,9 +127,15 @@ class MultiHeadAttention(decode_cache.CachedLayer, nnx.Module):
         ``(..., h, t, s)`` (``s``: ``t``, or the cache's ``max_length`` with ``decode``):
         ``False`` hides a key (left padding: ``(b, 1, 1, s)``) on top of the causal mask."""
         check_causal_input(x, self.d_in, self.context_length)
-        keys = self._split_heads(self.W_key(x))  # (..., t, h, d)
-        queries = self._split_heads(self.W_query(x))  # (..., t, h, d)
-        values = self._split_heads(self.W_value(x))  # (..., t, h, d)
+        return self._forward(x, decode=decode, mask=mask)
+
+    def _forward(self, x: jax.Array, *, decode: bool, mask) -> jax.Array:
+        """``__call__`` on a checked ``x``: what a model's block calls with the hidden states it
+        made itself (the model checks its own inputs at its door)."""
+        on_mesh = not jax.sharding.get_abstract_mesh().empty
+        keys = self._split_heads(self.W_key(x), on_mesh)  # (..., t, h, d)
+        queries = self._split_heads(self.W_query(x), on_mesh)  # (..., t, h, d)
+        values = self._split_heads(self.W_value(x), on_mesh)  # (..., t, h, d)
         context_vec = causal_attention(
             queries,
             keys,

@@ -166,12 +166,12 @@ def test_a_corrupted_weight_fails_the_report(corrupt_one_weight, tmp_path, check
 
 @pytest.mark.usefixtures("fresh_traces")
 def test_a_wrong_scale_fails_the_report(monkeypatch, tmp_path):
-    original = core.masked_softmax
+    original = core._masked_softmax  # the softmax of every layer's reference path
 
-    def wrong_scale(attn_scores, d_key, *args, **kwargs):  # sqrt(d_key + 1) instead of sqrt(d_key)
-        return original(attn_scores, d_key + 1, *args, **kwargs)
+    def wrong_scale(attn_scores, d_key, mask):  # sqrt(d_key + 1) instead of sqrt(d_key)
+        return original(attn_scores, d_key + 1, mask)
 
-    monkeypatch.setattr(core, "masked_softmax", wrong_scale)
+    monkeypatch.setattr(core, "_masked_softmax", wrong_scale)
     code, rows = _report(tmp_path, "--cases", "doc_*", "--checks", "forward", "--dtype", "float32")
     assert code == 1
     assert {r["case"] for r in rows if not r["passed"]} >= {"doc_v1_seed123", "doc_mha_2heads"}
@@ -180,12 +180,12 @@ def test_a_wrong_scale_fails_the_report(monkeypatch, tmp_path):
 @pytest.mark.quick
 @pytest.mark.usefixtures("fresh_traces")
 def test_a_leaky_causal_mask_fails_the_mask_check(monkeypatch, tmp_path):
-    import flax_attention.core as core
+    from flax_attention.masking import AttentionMask
 
-    def leaky(num_queries, num_keys, offset=0):
-        return jnp.ones((num_queries, num_keys), bool)
+    def leaky(self, query_pos, key_pos):  # every key visible from every query
+        return jnp.ones(jnp.broadcast_shapes(jnp.shape(query_pos), jnp.shape(key_pos)), bool)
 
-    monkeypatch.setattr(core, "causal_mask", leaky)
+    monkeypatch.setattr(AttentionMask, "visible", leaky)
     code, rows = _report(tmp_path, "--cases", "mha_odd_heads", "--checks", "mask")
     assert code == 1
     assert [r["passed"] for r in rows] == [False]

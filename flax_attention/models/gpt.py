@@ -259,7 +259,7 @@ class TransformerBlock(nnx.Module):
 
     def __call__(self, x, *, decode: bool = False, mask=None):
         shortcut = x
-        x = self.att(self.norm1(x), decode=decode, mask=mask)  # (b, t, d)
+        x = self.att._forward(self.norm1(x), decode=decode, mask=mask)  # (b, t, d)
         x = self.drop_resid(x) + shortcut
         shortcut = x
         x = self.ff(self.norm2(x))  # (b, t, d)
@@ -354,7 +354,9 @@ class GPTModel(nnx.Module):
             raise ValueError(
                 f"in_idx.ndim ({jnp.ndim(in_idx)}, shape {jnp.shape(in_idx)}) must be 2 (b, t)"
             )
-        check_model_inputs(in_idx, attention_mask, self.cfg["vocab_size"])
+        check_model_inputs(
+            in_idx, attention_mask, self.cfg["vocab_size"], self.cfg["context_length"]
+        )
         seq_len = in_idx.shape[-1]
         offset = self.trf_blocks[0].att.cached_length() if decode else 0
         if attention_mask is None:

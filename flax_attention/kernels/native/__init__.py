@@ -236,6 +236,26 @@ def native_attention(
         raise TypeError(f"targets ({targets!r}) must be None or a (forward, backward) pair of str")
     if attention_mask is None:
         attention_mask = AttentionMask()
+    return _attend(
+        queries, keys, values, attention_mask, dropout_rate, dropout_seed, block_q, block_k,
+        products, targets,
+    )  # fmt: skip
+
+
+def _attend(
+    queries,
+    keys,
+    values,
+    attention_mask: AttentionMask,
+    dropout_rate: float = 0.0,
+    dropout_seed=None,
+    block_q: int = 0,
+    block_k: int = 0,
+    products: str | None = None,
+    targets: tuple[str, str] | None = None,
+):
+    """``native_attention`` on arguments already checked: the attention core's one entry into
+    the kernel (the core asked ``can_run`` or ``why_not_here`` before choosing it)."""
     lead, h = queries.shape[:-3], queries.shape[-2]
     keep = attention_mask.keep
     config = _Config(
@@ -259,7 +279,7 @@ def native_attention(
     head_index = jnp.arange(h, dtype=jnp.uint32)
     operands = (queries, keys, values, keep, offset, seed, batch_index, head_index)
     call = functools.partial(_call, config)
-    specs = _shard_specs(queries, keep)
+    specs = None if jax.sharding.get_abstract_mesh().empty else _shard_specs(queries, keep)
     if specs is not None:
         mesh, in_specs, out_spec = specs
         # check_vma=False: an FFI call's results carry no varying-axes type, so the custom VJP's
