@@ -59,8 +59,8 @@ from jax.sharding import PartitionSpec as P
 import flax_attention as fa
 from flax_attention import models
 from flax_attention.kernels import native
+from flax_attention.mesh import place
 from flax_attention.models.checkpoints import new_model
-from flax_attention.placement import place
 from flax_attention.sharding import data_slices, global_batch
 
 TOL = 1e-5  # the repository's float32 forward/gradient tolerance (relative to max(1, scale))
@@ -299,7 +299,7 @@ class CountingSource:
 
 def read_fraction(mesh) -> float:
     """The fraction of a ``(64, 64)`` weight this process reads to place it split over
-    ``model`` (``flax_attention.placement.place``)."""
+    ``model`` (``flax_attention.mesh.place``)."""
     source = CountingSource(np.ones((64, 64), np.float32))
     place(source, NamedSharding(mesh, P(None, "model")))
     return source.read / source.value.size

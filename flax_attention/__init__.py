@@ -5,7 +5,7 @@ keyword-only ``rngs`` and the Flax options ``dtype``, ``param_dtype``, ``precisi
 cross from torch with ``load_state_dict``/``load_file`` and back with ``state_dict``/
 ``save_file``. The attention math lives once, in ``flax_attention.core``. ``shard(layer, mesh)``
 places a layer on a device mesh (``flax_attention.sharding``; the mesh-axis vocabulary is
-``flax_attention.axes``). The faster attention kernels live in ``flax_attention.kernels``.
+``flax_attention.mesh``). The faster attention kernels live in ``flax_attention.kernels``.
 """
 
 from flax_attention.annotated import MultiHeadedAttention, ProjectedKV, attention, clones

@@ -20,7 +20,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from flax_attention.axes import LinearAxes, explicit_mesh, lookup_sharding, spec_of
+from flax_attention.mesh import (
+    LinearAxes,
+    lookup_sharding,
+    reduced_sharding,
+    spec_of,
+    unsplit,
+)
 
 __all__ = [
     "NARROW_ROWS",
@@ -117,18 +123,6 @@ def _narrow_bwd(nk, residuals, d_out):
 _narrow.defvjp(_narrow_fwd, _narrow_bwd)
 
 
-def _reduced_sharding(lhs, rhs, rhs_contracting):
-    """Under an ``Explicit`` mesh, the ``out_sharding`` of ``x (..., d_in) @ w`` whose
-    contracted features are split over a mesh axis (a row-parallel product: ``out_proj``, the
-    MLP's second Linear, after the heads or hidden features were split over ``model``): the sum
-    over that axis laid out like ``x``'s leading axes, its features as ``w``'s output axis. JAX
-    cannot choose it alone (the sum could stay split); every other product's layout it infers.
-    ``None`` where there is nothing to choose."""
-    if explicit_mesh() is None or spec_of(lhs)[-1] is None:
-        return None
-    return jax.sharding.PartitionSpec(*spec_of(lhs)[:-1], spec_of(rhs)[1 - rhs_contracting[0]])
-
-
 class Embed(nnx.Embed):
     """``nnx.Embed`` whose lookup, on an ``Explicit`` mesh, is laid out like its ids, features
     whole (``jnp.take`` cannot tell on its own when the ids are split over ``data``), unless
@@ -159,7 +153,7 @@ class Dropout(nnx.Dropout):
             deterministic is not False
             or not 0.0 < self.rate < 1.0
             or self.broadcast_dims
-            or not _unsplit(inputs)
+            or not unsplit(inputs)
         ):
             return super().__call__(inputs, deterministic=deterministic, rngs=rngs)
         stream = self.rngs if rngs is None else rngs
@@ -179,11 +173,6 @@ class Dropout(nnx.Dropout):
         return jax.lax.select(keep, inputs / keep_prob, jnp.zeros_like(inputs))
 
 
-def _unsplit(x) -> bool:
-    """Whether ``x`` is traced or placed with no mesh in play: none set, none in its type."""
-    return jax.sharding.get_abstract_mesh().empty and jax.typeof(x).sharding.mesh.empty
-
-
 def rows_dot_general(lhs, rhs, dimension_numbers, precision=None, **options):
     """``jax.lax.dot_general`` for ``nnx.Linear`` and the tied head: ``x (..., d_in) @ kernel
     (d_in, d_out)`` (or ``@ table.T`` for a ``(d_out, d_in)`` table) as one ``(rows, d_in)``
@@ -191,7 +180,7 @@ def rows_dot_general(lhs, rhs, dimension_numbers, precision=None, **options):
     as ``dot_general`` where the leading axes carry sharding in their type (an ``Explicit``
     mesh), ``out_sharding`` is given, or the contraction is another one. On an ``Explicit``
     mesh a product over features split across a mesh axis gets its ``out_sharding`` here
-    (``_reduced_sharding``), so the layers name none.
+    (``flax_attention.mesh.reduced_sharding``), so the layers name none.
 
     Why: the kernel's gradient of the ``(b, t, d_in)`` product is a contraction over two axes,
     and XLA's CPU compiler transposes the incoming gradient for it; in a deep model that
@@ -213,7 +202,7 @@ def rows_dot_general(lhs, rhs, dimension_numbers, precision=None, **options):
     )
     no_mesh = jax.sharding.get_abstract_mesh().empty
     if rows_by_matrix and not no_mesh and options.get("out_sharding") is None:
-        options["out_sharding"] = _reduced_sharding(lhs, rhs, rhs_contracting)
+        options["out_sharding"] = reduced_sharding(lhs, rhs, rhs_contracting)
     plain = (
         rows_by_matrix
         and options.get("out_sharding") is None
@@ -238,7 +227,7 @@ def rows_dot_general(lhs, rhs, dimension_numbers, precision=None, **options):
 def linear_factory(*, dtype, param_dtype, precision, rngs: nnx.Rngs):
     """``linear(d_in, d_out, use_bias=..., axes=...)``: an ``nnx.Linear`` with torch's
     initialisers and the layer's Flax options, so every sublayer gets ``dtype``, ``param_dtype``
-    and ``precision``. ``axes`` (an ``axes.LinearAxes``, e.g. ``TO_HEADS`` or ``FROM_HEADS``)
+    and ``precision``. ``axes`` (a ``mesh.LinearAxes``, e.g. ``TO_HEADS`` or ``FROM_HEADS``)
     becomes the kernel's and bias's partition metadata. Its product is ``rows_dot_general``."""
 
     def linear(

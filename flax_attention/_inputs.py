@@ -23,7 +23,7 @@ from flax_attention._checks import (
     check_rank,
     check_same,
 )
-from flax_attention.placement import fetch
+from flax_attention.mesh import fetch
 
 __all__ = [
     "check_annotated_inputs",

@@ -24,7 +24,6 @@ from flax_attention._inputs import (
     check_array,
     check_projected_inputs,
 )
-from flax_attention.axes import FROM_HEADS, HEADS, TO_HEADS, constrain
 from flax_attention.core import (
     AttentionMask,
     BlockSizes,
@@ -34,6 +33,7 @@ from flax_attention.core import (
     check_implementation,
     dot_product_attention,
 )
+from flax_attention.mesh import FROM_HEADS, HEADS, TO_HEADS, constrain
 
 __all__ = ["MultiHeadedAttention", "attention", "clones"]  # as torch_reference.annotated
 

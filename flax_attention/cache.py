@@ -49,8 +49,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 from flax_attention._checks import check_positive_int
-from flax_attention.axes import CACHE_HEADS, ONE_HEAD, expand_axes, laid_out_like
-from flax_attention.placement import place, place_like_parameters
+from flax_attention.mesh import (
+    CACHE_HEADS,
+    ONE_HEAD,
+    expand_axes,
+    laid_out_like,
+    place,
+    place_like_parameters,
+)
 
 __all__ = [
     "CachedLayer",

@@ -16,12 +16,6 @@ from flax_attention import cache as decode_cache
 from flax_attention._checks import check_dropout, check_positive_int
 from flax_attention._init import Dropout, linear_factory
 from flax_attention._inputs import check_causal_input, check_d_key
-from flax_attention.axes import (
-    ONE_HEAD,
-    TO_HEADS,
-    constrain,
-    features_whole,
-)
 from flax_attention.core import (
     AttentionMask,
     BlockSizes,
@@ -31,6 +25,12 @@ from flax_attention.core import (
     check_block_sizes,
     check_implementation,
     masked_softmax,
+)
+from flax_attention.mesh import (
+    ONE_HEAD,
+    TO_HEADS,
+    constrain,
+    features_whole,
 )
 
 __all__ = [

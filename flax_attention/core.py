@@ -69,15 +69,14 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import PartitionSpec
 
 from flax_attention._checks import check_choice, check_instance
 from flax_attention._inputs import check_d_key
-from flax_attention.axes import explicit_mesh, spec_of
 from flax_attention.kernels import native
 from flax_attention.kernels.blocked import BlockSizes, blocked_attention
 from flax_attention.kernels.jax_nn import jax_nn_attention
 from flax_attention.masking import AttentionMask, causal_mask
+from flax_attention.mesh import attention_out_shardings, explicit_mesh
 
 __all__ = [
     "IMPLEMENTATIONS",
@@ -383,7 +382,7 @@ def _run_with_auto_axes(run, queries, keys, values, attention_mask, call):
         inside = attention_mask.replace(keep=keep, query_offset=query_offset)
         return run(queries, keys, values, inside, call._replace(dropout_key=dropout_key))
 
-    out_sharding = _out_shardings(queries, values, call.need_weights)
+    out_sharding = attention_out_shardings(queries, values, call.need_weights)
     return jax.sharding.auto_axes(run_auto, out_sharding=out_sharding)(
         queries, keys, values, attention_mask.keep, attention_mask.query_offset, dropout_key
     )
@@ -484,13 +483,3 @@ def _reference(queries, keys, values, attention_mask, dropout, precision, kv_lay
         f"...hts,{kv}->...thd", attn_weights, values, precision=precision
     )  # (..., t, h, d_v)
     return context_vec, attn_weights
-
-
-def _out_shardings(queries, values, need_weights):
-    """Where the results go on an explicit mesh: ``context_vec`` ``(..., t, h, d_v)`` like the
-    queries (``d_v`` like the values'), the weights ``(..., h, t, s)`` like the queries' heads."""
-    q, v = spec_of(queries), spec_of(values)
-    context = PartitionSpec(*q[:-1], v[-1])
-    if not need_weights:
-        return context
-    return context, PartitionSpec(*q[:-3], q[-2], q[-3], None)

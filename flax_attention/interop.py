@@ -34,8 +34,8 @@ from flax import nnx
 from flax_attention._checks import check_bool
 from flax_attention.annotated import MultiHeadedAttention
 from flax_attention.causal import CausalAttention, MultiHeadAttentionWrapper
+from flax_attention.mesh import fetch
 from flax_attention.multihead import MultiHeadAttention
-from flax_attention.placement import fetch
 from flax_attention.self_attention import SelfAttention_v1, SelfAttention_v2
 from flax_attention.weights import load_state_dict
 

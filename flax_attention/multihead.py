@@ -16,18 +16,18 @@ from flax_attention import cache as decode_cache
 from flax_attention._checks import check_positive_int, check_splits_over_heads
 from flax_attention._init import Dropout, linear_factory
 from flax_attention._inputs import check_causal_input
-from flax_attention.axes import (
-    FROM_HEADS,
-    HEADS,
-    TO_HEADS,
-    constrain,
-)
 from flax_attention.causal import (
     causal_attention,
     check_causal_args,
     documents_mask,
 )
 from flax_attention.core import BlockSizes, Implementation
+from flax_attention.mesh import (
+    FROM_HEADS,
+    HEADS,
+    TO_HEADS,
+    constrain,
+)
 
 __all__ = ["MultiHeadAttention"]
 

@@ -1,9 +1,9 @@
 """Scaling out: ``shard`` places a layer's parameters and decode caches on a JAX device mesh.
 
-The vocabulary (the ``data`` and ``model`` axes, which dimension goes where, ``constrain``)
-lives in ``flax_attention.axes``, which the layers import, and moving values onto a mesh and back
-in ``flax_attention.placement``; each name has that one import path. This module sits on top
-and knows the layers only through what they declare:
+The vocabulary (the ``data`` and ``model`` axes, which dimension goes where, ``constrain``),
+moving values onto a mesh and back, and every layout JAX cannot choose alone live in
+``flax_attention.mesh``, which the layers import; each name has that one import path. This
+module sits on top and knows the layers only through what they declare:
 
 - every variable's partition metadata (``out_sharding``, see ``nnx.with_partitioning``;
   ``nnx.get_partition_spec(nnx.state(layer))`` reads it): query/key/value projections split
@@ -31,7 +31,7 @@ the activations and XLA propagates the rest; with ``Explicit`` axes the types ca
 ``shard(layer, mesh)`` places them.
 
 A mesh may span several JAX processes (``jax.distributed.initialize``; ``flax_attention.launch``
-starts them on one machine). Placing goes through ``flax_attention.placement.place``, so each
+starts them on one machine). Placing goes through ``flax_attention.mesh.place``, so each
 process builds only its own devices' slices; ``global_batch`` makes the global batch from each
 process's own rows (``data_slices``), and refuses a mesh that does not span every process's
 devices or whose ``data`` axis the processes do not divide.
@@ -45,8 +45,15 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from flax_attention._checks import check_instance, check_int, check_positive_int
-from flax_attention.axes import DATA, MODEL, SplitsOverModel, mesh_axis_size
-from flax_attention.placement import check_variable, partition_spec, place
+from flax_attention.mesh import (
+    DATA,
+    MODEL,
+    SplitsOverModel,
+    check_variable,
+    mesh_axis_size,
+    partition_spec,
+    place,
+)
 
 __all__ = [
     # Placing a layer.

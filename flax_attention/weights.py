@@ -53,7 +53,7 @@ from flax_attention.layouts import (
     layers_taking,
     names_of,
 )
-from flax_attention.placement import fetch, place
+from flax_attention.mesh import fetch, place
 
 __all__ = ["IncompatibleKeys", "load_state_dict", "state_dict", "save_file", "load_file"]
 
@@ -458,7 +458,7 @@ class _Piece:
     """One parameter's value inside a layout key's array, read only where it is sliced: the
     variable's ``index`` maps back to the stored array (``source``, NumPy or a ``FileTensor``)
     through the layout key's transpose, the part's rows and the part's own transpose, and the
-    slice read is cast to the variable's dtype. ``flax_attention.placement.place`` slices it once
+    slice read is cast to the variable's dtype. ``flax_attention.mesh.place`` slices it once
     per device slice this process holds, so a process of a mesh spread over several reads (a
     file's tensor: from disk) and keeps only its own devices' slices."""
 

@@ -27,9 +27,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import flax_attention as fa
+from flax_attention.mesh import fetch, place
 from flax_attention.models import GPTModel
 from flax_attention.models.checkpoints import new_model
-from flax_attention.placement import fetch, place
 from flax_attention.sharding import data_slices, global_batch
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

@@ -29,10 +29,10 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import flax_attention as fa
-from flax_attention.axes import HEADS, constrain
 from flax_attention.core import select_implementation
 from flax_attention.kernels import dropout_hash, native
 from flax_attention.masking import AttentionMask
+from flax_attention.mesh import HEADS, constrain
 from flax_attention.models import GPTModel, annotated, generate
 
 if jax.device_count() < 8:  # test_sharding.py runs this file with 8 devices

@@ -1,7 +1,7 @@
 """The argument rule, held for every public name (issue 31 items 5 and 8; docs/errors.md).
 
 Each public function and class of ``flax_attention``, ``flax_attention.models``,
-``flax_attention.axes``, ``flax_attention.placement``, ``flax_attention.sharding`` and
+``flax_attention.mesh``, ``flax_attention.sharding`` and
 ``flax_attention.launch`` (their ``__all__``) has a row in ``TABLE``: a valid call's
 arguments, the argument to break, a value of the wrong type and a value of the right type that
 breaks the rule. The wrong type must raise
@@ -26,10 +26,9 @@ import pytest
 from flax import nnx
 
 import flax_attention as fa
-import flax_attention.axes as fa_axes
 import flax_attention.launch as fa_launch
+import flax_attention.mesh as fa_mesh
 import flax_attention.models as fam
-import flax_attention.placement as fa_placement
 import flax_attention.sharding as fa_sharding
 
 #: A wrong value of a row that has none (a bool, a callable: any value of the type is valid).
@@ -395,10 +394,10 @@ _ROWS = [
         "adam",
         NONE,
     ),
-    "flax_attention.axes",
+    "flax_attention.mesh",
     Row(
         "LinearAxes",
-        fa_axes.LinearAxes,
+        fa_mesh.LinearAxes,
         lambda: {"kernel": (None, None), "bias": (None,)},
         "kernel",
         "model",
@@ -406,25 +405,24 @@ _ROWS = [
     ),
     Row(
         "constrain",
-        fa_axes.constrain,
+        fa_mesh.constrain,
         lambda: {"x": _x(2, 2), "axes": (None, None)},
         "axes",
         3,
         (None,),
     ),
-    Row("expand_axes", fa_axes.expand_axes, lambda: {"axes": (None,), "ndim": 2}, "ndim", 2.0, 0),
+    Row("expand_axes", fa_mesh.expand_axes, lambda: {"axes": (None,), "ndim": 2}, "ndim", 2.0, 0),
     Row(
         "mesh_axis_size",
-        fa_axes.mesh_axis_size,
+        fa_mesh.mesh_axis_size,
         lambda: {"mesh": _mesh(), "name": "data"},
         "name",
         0,
         "heads",
     ),
-    "flax_attention.placement",
     Row(
         "place",
-        fa_placement.place,
+        fa_mesh.place,
         lambda: {"value": _x(2), "sharding": None},
         "sharding",
         "data",
@@ -432,7 +430,7 @@ _ROWS = [
     ),
     Row(
         "place_like_parameters",
-        fa_placement.place_like_parameters,
+        fa_mesh.place_like_parameters,
         lambda: {"module": fa.SelfAttention_v1(2, 2, rngs=_rngs()), "variables": {}},
         "variables",
         [1],
@@ -440,7 +438,7 @@ _ROWS = [
     ),
     Row(
         "partition_spec",
-        fa_placement.partition_spec,
+        fa_mesh.partition_spec,
         lambda: {"variable": nnx.Param(_x(2)), "mesh": _mesh()},
         "variable",
         _x(2),
@@ -448,7 +446,7 @@ _ROWS = [
     ),
     Row(
         "check_variable",
-        fa_placement.check_variable,
+        fa_mesh.check_variable,
         lambda: {"variable": nnx.Param(_x(2)), "mesh": _mesh(), "name": "w"},
         "variable",
         _x(2),
@@ -456,13 +454,13 @@ _ROWS = [
     ),
     Row(
         "parameters_mesh",
-        fa_placement.parameters_mesh,
+        fa_mesh.parameters_mesh,
         lambda: {"module": fa.SelfAttention_v1(2, 2, rngs=_rngs())},
         "module",
         {"w": _x(2)},
         NONE,
     ),
-    Row("fetch", fa_placement.fetch, lambda: {"values": [_x(2)]}, "values", 3, NONE),
+    Row("fetch", fa_mesh.fetch, lambda: {"values": [_x(2)]}, "values", 3, NONE),
     "flax_attention.sharding",
     Row(
         "check_shardable",
@@ -543,14 +541,14 @@ EXEMPT = {
     # constants
     ("flax_attention", "IMPLEMENTATIONS"): "a constant (the implementations' names)",
     ("flax_attention.models", "GPT_CONFIG_124M"): "a constant (the book's config dict)",
-    ("flax_attention.axes", "DATA"): "a constant (a mesh axis's name)",
-    ("flax_attention.axes", "MODEL"): "a constant (a mesh axis's name)",
-    ("flax_attention.axes", "HEADS"): "a constant (partition axes)",
-    ("flax_attention.axes", "CACHE_HEADS"): "a constant (partition axes)",
-    ("flax_attention.axes", "ONE_HEAD"): "a constant (partition axes)",
-    ("flax_attention.axes", "TO_HEADS"): "a constant (a LinearAxes)",
-    ("flax_attention.axes", "FROM_HEADS"): "a constant (a LinearAxes)",
-    ("flax_attention.axes", "SplitsOverModel"): "a Protocol (what a layer declares)",
+    ("flax_attention.mesh", "DATA"): "a constant (a mesh axis's name)",
+    ("flax_attention.mesh", "MODEL"): "a constant (a mesh axis's name)",
+    ("flax_attention.mesh", "HEADS"): "a constant (partition axes)",
+    ("flax_attention.mesh", "CACHE_HEADS"): "a constant (partition axes)",
+    ("flax_attention.mesh", "ONE_HEAD"): "a constant (partition axes)",
+    ("flax_attention.mesh", "TO_HEADS"): "a constant (a LinearAxes)",
+    ("flax_attention.mesh", "FROM_HEADS"): "a constant (a LinearAxes)",
+    ("flax_attention.mesh", "SplitsOverModel"): "a Protocol (what a layer declares)",
     ("flax_attention.launch", "COORDINATOR"): "a constant (an environment variable's name)",
     ("flax_attention.launch", "NUM_PROCESSES"): "a constant (an environment variable's name)",
     ("flax_attention.launch", "PROCESS_ID"): "a constant (an environment variable's name)",
@@ -570,8 +568,7 @@ EXEMPT = {
 PACKAGES = {
     "flax_attention": fa,
     "flax_attention.models": fam,
-    "flax_attention.axes": fa_axes,
-    "flax_attention.placement": fa_placement,
+    "flax_attention.mesh": fa_mesh,
     "flax_attention.sharding": fa_sharding,
     "flax_attention.launch": fa_launch,
 }

@@ -94,16 +94,16 @@ def test_sharding_imports_no_layer_and_the_bottom_modules_import_nothing_of_the_
     # The bottom modules import nothing of the package but its argument checks, which import
     # nothing.
     assert graph["flax_attention._checks"] == set(), graph["flax_attention._checks"]
-    bottoms = ("axes", "masking", "kernels.dropout_hash")
+    bottoms = ("mesh", "masking", "kernels.dropout_hash")
     for bottom in (f"flax_attention.{name}" for name in bottoms):
         assert graph[bottom] <= {"flax_attention._checks"}, f"{bottom} imports {graph[bottom]}"
     # The kernels see only the mask description (and the tiled kernels the dropout hash they
     # share), never the core that dispatches to them; the native kernel also reads the mesh
-    # vocabulary (axes), to run once per device on a mesh.
+    # module (its shard_map specs), to run once per device on a mesh.
     hashed = {"flax_attention.masking", "flax_attention.kernels.dropout_hash"}
     expected = {
         "flax_attention.kernels.blocked": hashed | {"flax_attention._checks"},
-        "flax_attention.kernels.native": hashed | {"flax_attention.axes"},
+        "flax_attention.kernels.native": hashed | {"flax_attention.mesh"},
         "flax_attention.kernels.jax_nn": {"flax_attention.masking"},
     }
     for kernel, imports in expected.items():

@@ -32,7 +32,7 @@ import flax_attention as fa
 from conformance_tests.tests.conftest import QUICK_CODEGEN
 from conformance_tests.tests.helpers import error_templates
 from flax_attention import launch as launcher
-from flax_attention.placement import place
+from flax_attention.mesh import place
 from flax_attention.sharding import check_data_over_processes, global_batch
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

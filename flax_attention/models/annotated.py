@@ -68,14 +68,14 @@ from flax_attention._checks import (
 )
 from flax_attention._init import Dropout, Embed, linear_factory
 from flax_attention.annotated import MultiHeadedAttention, ProjectedKV
-from flax_attention.axes import (
+from flax_attention.cache import decode_step, split_for_decode
+from flax_attention.core import Implementation
+from flax_attention.layouts import Names, encoder_decoder_names, register
+from flax_attention.mesh import (
     FROM_HEADS,
     TO_HEADS,
     LinearAxes,
 )
-from flax_attention.cache import decode_step, split_for_decode
-from flax_attention.core import Implementation
-from flax_attention.layouts import Names, encoder_decoder_names, register
 from flax_attention.models._modes import in_eval_mode
 from flax_attention.weights import CheckedBuffer
 

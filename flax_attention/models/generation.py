@@ -48,16 +48,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
 
 from flax_attention._checks import check_int, check_real
 from flax_attention._inputs import check_token_ids, check_zero_one
-from flax_attention.axes import DATA, mesh_axis_size
 from flax_attention.cache import decode_step, split_for_decode
+from flax_attention.mesh import place, rows_sharding
 from flax_attention.models._modes import in_eval_mode
 from flax_attention.models.gpt import GPTModel, describe_head, head_outputs
 from flax_attention.models.quantized import Int8Weight, WeightScale
-from flax_attention.placement import parameters_mesh, place
 
 __all__ = ["PROMPT_BUCKET", "generate", "generate_text_simple", "next_token"]
 
@@ -125,7 +123,7 @@ def generate(
     ids, mask = _bucket(ids, mask, pad)
     # Steps whose window is the whole sequence (tokens + step <= context_size) use the cache.
     plan = plan._replace(cached_steps=min(max_new_tokens, max(0, context_size - length + 1)))
-    rows = _rows_sharding(model, ids.shape[0], cached=plan.cached_steps > 0)
+    rows = rows_sharding(model, ids.shape[0], cached=plan.cached_steps > 0)
     out, length = _run(model, plan, _on(ids, rows), None if mask is None else _on(mask, rows), draw)
     # Back to the caller's prompt: the bucket's padding off, the cropped head on.
     out = out[:, pad : int(length)]
@@ -229,24 +227,6 @@ def _bucket(ids: np.ndarray, mask: np.ndarray | None, pad: int):
         return ids, mask
     mask = np.ones(ids.shape, np.int32) if mask is None else mask
     return np.pad(ids, ((0, 0), (pad, 0))), np.pad(mask, ((0, 0), (pad, 0)))
-
-
-def _rows_sharding(model, batch: int, *, cached: bool):
-    """Where the token ids and mask go: on a sharded model's mesh, rows over ``data`` as its
-    decode caches split them (``Explicit`` axes refuse to mix the two layouts); else ``None``
-    (the default device)."""
-    mesh = parameters_mesh(model)
-    if mesh is None:
-        return None
-    data = mesh_axis_size(mesh, DATA)
-    if batch % data == 0:
-        return NamedSharding(mesh, PartitionSpec(DATA) if data > 1 else PartitionSpec())
-    if cached:
-        raise ValueError(
-            f"idx batch ({batch}) must be divisible by the mesh's data axis ({data}): the model "
-            "is sharded, and its decode caches split the batch over data"
-        )
-    return NamedSharding(mesh, PartitionSpec())
 
 
 def _on(value: np.ndarray, sharding):

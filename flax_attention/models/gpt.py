@@ -45,13 +45,13 @@ from flax import nnx
 from flax_attention._checks import check_bool, check_positive_int, check_rate
 from flax_attention._init import Dropout, Embed, linear_factory, rows_dot_general
 from flax_attention._inputs import check_model_inputs
-from flax_attention.axes import (
+from flax_attention.core import Implementation
+from flax_attention.layouts import ModelNames, Names, gpt_model_names, register
+from flax_attention.mesh import (
     FROM_HEADS,
     TO_HEADS,
     LinearAxes,
 )
-from flax_attention.core import Implementation
-from flax_attention.layouts import ModelNames, Names, gpt_model_names, register
 from flax_attention.models import checkpoints
 from flax_attention.multihead import MultiHeadAttention
 

@@ -51,8 +51,8 @@ import optax
 from flax import nnx
 
 from flax_attention._checks import check_instance, check_int, check_real
+from flax_attention.mesh import fetch
 from flax_attention.models._modes import in_eval_mode
-from flax_attention.placement import fetch
 
 __all__ = [
     "IGNORE_INDEX",

@@ -27,19 +27,19 @@ for (the library is loaded then, once, and the variable read then only), ``avail
 Under ``vmap`` the kernel runs once per mapped element (``vmap_method="sequential"``).
 
 On a mesh (``jax.set_mesh``) each device runs the kernel on its own batch rows and heads (calls
-with a batch axis; an unbatched ``(t, h, d)`` call runs whole on every device): XLA
-cannot split a custom call and would gather its operands onto every device, so
-``native_attention`` calls it inside ``jax.shard_map`` over the leading (batch) axes and the
-heads (``_shard_specs``). Where they go: on ``Explicit`` mesh axes, where the queries' type puts
-them; on ``Auto`` axes (also inside ``jax.sharding.auto_axes``, where the attention core runs its
-kernels on an explicit mesh) the package's layout, ``flax_attention.axes.HEADS`` (the first
-leading axis over ``data``, the heads over ``model``); an axis that does not divide its
-dimension stays whole. Query tokens, keys and features are never split (a head needs all its
-keys); keys, values and the mask follow the queries. The dropout hash reads the global batch and
-head numbers from two operands (``batch_index``, ``head_index``, sliced with the rest), so every
-device drops exactly the weights one device would. Inside the caller's own ``shard_map``
-(manual axes) the kernel runs as it is, on what each shard holds (its dropout then numbers the
-shard's batch rows and heads from 0).
+with a batch axis; an unbatched ``(t, h, d)`` call runs whole on every device): XLA cannot split
+a custom call and would gather its operands onto every device, so ``native_attention`` calls it
+inside ``jax.shard_map`` over the leading (batch) axes and the heads
+(``flax_attention.mesh.kernel_shard_specs``). Where they go: on ``Explicit`` mesh axes, where
+the queries' type puts them; on ``Auto`` axes (also inside ``jax.sharding.auto_axes``, where the
+attention core runs its kernels on an explicit mesh) the package's layout,
+``flax_attention.mesh.HEADS`` (the first leading axis over ``data``, the heads over ``model``);
+an axis that does not divide its dimension stays whole. Query tokens, keys and features are
+never split (a head needs all its keys); keys, values and the mask follow the queries. The
+dropout hash reads the global batch and head numbers from two operands (``batch_index``,
+``head_index``, sliced with the rest), so every device drops exactly the weights one device
+would. Inside the caller's own ``shard_map`` (manual axes) the kernel runs as it is, on what
+each shard holds (its dropout then numbers the shard's batch rows and heads from 0).
 """
 
 from __future__ import annotations
@@ -55,11 +55,10 @@ import pathlib
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType, PartitionSpec
 
-from flax_attention.axes import DATA, MODEL, axis_names, axis_types, spec_entry, spec_of
 from flax_attention.kernels import dropout_hash
 from flax_attention.masking import AttentionMask, flatten_mask
+from flax_attention.mesh import kernel_shard_specs, reshard_for_kernel
 
 __all__ = [
     "available",
@@ -279,7 +278,7 @@ def _attend(
     head_index = jnp.arange(h, dtype=jnp.uint32)
     operands = (queries, keys, values, keep, offset, seed, batch_index, head_index)
     call = functools.partial(_call, config)
-    specs = None if jax.sharding.get_abstract_mesh().empty else _shard_specs(queries, keep)
+    specs = None if jax.sharding.get_abstract_mesh().empty else kernel_shard_specs(queries, keep)
     if specs is not None:
         mesh, in_specs, out_spec = specs
         # check_vma=False: an FFI call's results carry no varying-axes type, so the custom VJP's
@@ -287,7 +286,7 @@ def _attend(
         call = jax.shard_map(
             call, mesh=mesh, in_specs=in_specs, out_specs=out_spec, check_vma=False
         )
-        operands = tuple(_reshard(x, spec, mesh) for x, spec in zip(operands, in_specs))
+        operands = tuple(reshard_for_kernel(x, spec, mesh) for x, spec in zip(operands, in_specs))
     return call(*operands)
 
 
@@ -321,82 +320,6 @@ def _call(config, queries, keys, values, keep, offset, seed, batch_index, head_i
     ids = batch_index.reshape(-1), head_index
     out = _native(config, q, k, v, keep, offset, seed, *ids)  # (B, t, h, d_v) float32
     return out.astype(queries.dtype).reshape(*lead, *out.shape[1:])
-
-
-def _shard_specs(queries, keep):
-    """How to run the kernel once per device under a mesh (``jax.set_mesh``): ``(mesh,
-    in_specs, out_spec)`` for ``shard_map``, or ``None`` (no mesh, or nothing to split).
-
-    Only the leading (batch) axes and the heads split: a shard needs all its queries' keys and
-    every feature. With ``Explicit`` mesh axes the queries' type says where those go; with
-    ``Auto`` axes (also inside ``jax.sharding.auto_axes``, where the attention core runs its
-    kernels) the package's layout does (``flax_attention.axes.HEADS``: the first leading axis
-    over ``data``, the heads over ``model``), where the axis divides. Keys, values and the mask
-    follow the queries; XLA moves what is elsewhere.
-    """
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or queries.ndim < 4:
-        return None
-    types = axis_types(mesh)
-    spec = spec_of(queries)  # Explicit axes only
-    lead, heads = list(spec[:-3]), spec[-2]
-    if lead[0] is None and types.get(DATA) == AxisType.Auto:
-        lead[0] = DATA
-    if heads is None and types.get(MODEL) == AxisType.Auto:
-        heads = MODEL
-    used: set = set()
-    lead = [_usable(entry, n, mesh, types, used) for entry, n in zip(lead, queries.shape)]
-    heads = _usable(heads, queries.shape[-2], mesh, types, used)
-    if all(entry is None for entry in (*lead, heads)):
-        return None
-    x_spec = PartitionSpec(*lead, None, heads, None)
-    keep_spec = PartitionSpec(
-        *(entry if n > 1 else None for entry, n in zip(lead, keep.shape[:-3])),
-        heads if keep.shape[-3] > 1 else None,
-        None,
-        None,
-    )
-    scalar = PartitionSpec()
-    in_specs = (
-        x_spec,
-        x_spec,
-        x_spec,
-        keep_spec,
-        scalar,
-        scalar,
-        PartitionSpec(*lead),
-        PartitionSpec(heads),
-    )
-    return mesh, in_specs, x_spec
-
-
-def _usable(entry, size: int, mesh, types: dict, used: set):
-    """``entry`` (mesh axis names of one dimension) if each is an ``Auto`` or ``Explicit`` axis
-    of ``mesh`` not ``used`` by another dimension and together they divide ``size``, else
-    ``None``; the names are added to ``used``."""
-    names = axis_names(entry)
-    splits = (AxisType.Auto, AxisType.Explicit)
-    if not names or any(types.get(n) not in splits or n in used for n in names):
-        return None
-    if size % math.prod(dict(mesh.shape)[n] for n in names) != 0:
-        return None
-    used.update(names)
-    return spec_entry(names)
-
-
-def _reshard(x, spec: PartitionSpec, mesh):
-    """``x`` laid out as ``spec`` says on the mesh's ``Explicit`` axes (``shard_map`` takes the
-    operands' types as they are); ``x`` itself where those already agree, or with ``Auto`` axes
-    (``shard_map`` moves what it needs)."""
-    types = axis_types(mesh)
-
-    def explicit(entry):
-        return spec_entry(n for n in axis_names(entry) if types[n] == AxisType.Explicit)
-
-    want = tuple(explicit(entry) for entry in spec) + (None,) * (jnp.ndim(x) - len(spec))
-    if want == spec_of(x):
-        return x
-    return jax.sharding.reshard(x, PartitionSpec(*want))
 
 
 @dataclasses.dataclass(frozen=True)
