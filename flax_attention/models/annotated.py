@@ -337,15 +337,15 @@ class EncoderDecoder(nnx.Module):
     def encode(self, src, src_mask):
         """``src`` ``(b, s)`` ids, ``src_mask`` ``(b, 1, s)`` -> ``memory`` ``(b, s, d)``."""
         tokens = np.shape(src)[1] if _ndim(src) == 2 else 0
-        src_mask = _check_mask("src_mask", src_mask, np.shape(src)[0], tokens, tokens)
+        src_mask = _check_post_mask("src_mask", src_mask, np.shape(src)[0], tokens, tokens)
         return self.encoder(_embed(self.src_embed, "src", src), src_mask)
 
     def decode(self, memory, src_mask, tgt, tgt_mask):
         """``tgt`` ``(b, t)`` ids and ``tgt_mask`` ``(b, t, t)`` on ``memory`` ``(b, s, d)``
         -> ``(b, t, d)``."""
         tokens = np.shape(tgt)[1] if _ndim(tgt) == 2 else 0
-        src_mask = _check_mask("src_mask", src_mask, memory.shape[0], tokens, memory.shape[1])
-        tgt_mask = _check_mask("tgt_mask", tgt_mask, np.shape(tgt)[0], tokens, tokens)
+        src_mask = _check_post_mask("src_mask", src_mask, memory.shape[0], tokens, memory.shape[1])
+        tgt_mask = _check_post_mask("tgt_mask", tgt_mask, np.shape(tgt)[0], tokens, tokens)
         return self.decoder(_embed(self.tgt_embed, "tgt", tgt), memory, src_mask, tgt_mask)
 
     def model_axis_sizes(self) -> dict[str, int]:
@@ -382,7 +382,7 @@ def _embed(embed, name: str, ids):
     return embed[1](embed[0](ids))
 
 
-def _check_mask(name: str, mask, batch: int, queries: int | None, keys: int):
+def _check_post_mask(name: str, mask, batch: int, queries: int | None, keys: int):
     """``mask`` must broadcast to ``(batch, queries, keys)`` (3-D; ``queries`` ``None``: any)."""
     shape = tuple(np.shape(mask))
     rows_ok = len(shape) == 3 and (queries is None or shape[1] in (1, queries))
@@ -636,7 +636,9 @@ def greedy_decode(model: EncoderDecoder, src, src_mask, max_len: int, start_symb
         if low < 0 or high >= src_vocab:
             raise ValueError(f"src (ids {low}..{high}) must lie in 0..{src_vocab - 1}")
     src = jnp.asarray(src)
-    _check_mask("src_mask", src_mask, src.shape[0], None, src.shape[1] if _ndim(src) == 2 else 0)
+    _check_post_mask(
+        "src_mask", src_mask, src.shape[0], None, src.shape[1] if _ndim(src) == 2 else 0
+    )
     return _decode_in_eval_mode(model, src, jnp.asarray(src_mask), max_len, start_symbol)
 
 

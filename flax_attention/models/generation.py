@@ -172,7 +172,7 @@ def _check_arguments(
     if not greedy and key is None:
         raise ValueError("key (None) must be a jax.random.key when sampling (temperature > 0)")
     key = jax.random.key(0) if key is None else _check_key(key)
-    mask = None if attention_mask is None else _check_mask(attention_mask, ids.shape)
+    mask = None if attention_mask is None else _check_attention_mask(attention_mask, ids.shape)
     plan = _Plan(max_new_tokens, context_size, greedy, top_k, eos_id)
     return plan, ids, mask, (key, jnp.float32(1.0 if greedy else temperature))
 
@@ -267,7 +267,7 @@ def _check_idx(idx, vocab_size: int) -> np.ndarray:
     return ids.astype(np.int32)
 
 
-def _check_mask(attention_mask, shape) -> np.ndarray:
+def _check_attention_mask(attention_mask, shape) -> np.ndarray:
     mask = np.asarray(attention_mask)
     if mask.shape != shape:
         raise ValueError(f"attention_mask.shape ({mask.shape}) must equal idx.shape ({shape})")

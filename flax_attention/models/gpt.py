@@ -65,7 +65,7 @@ __all__ = [
     "LayerNorm",
     "TransformerBlock",
     "check_config",
-    "check_dtypes",
+    "check_model_dtypes",
 ]
 
 #: The book's configuration of GPT-2 small (chapter 4), untied head.
@@ -146,7 +146,7 @@ def check_config(cfg) -> dict:
 _FLOATING = "jnp.float32, jnp.bfloat16, jnp.float16 or jnp.float64"
 
 
-def check_dtypes(dtype, param_dtype) -> None:
+def check_model_dtypes(dtype, param_dtype) -> None:
     """``dtype`` (``None``, or the dtype the model computes in) and ``param_dtype`` (the
     parameters') must be floating dtypes: a ``TypeError`` naming the argument and the value
     otherwise (an integer ``param_dtype`` would reach JAX's initialisers, whose message names
@@ -295,7 +295,7 @@ class GPTModel(nnx.Module):
         implementation: Implementation | None = None,
     ):
         cfg = check_config(cfg)
-        check_dtypes(dtype, param_dtype)
+        check_model_dtypes(dtype, param_dtype)
         self.cfg = Config(cfg)
         self.precision = precision
         embed = functools.partial(
