@@ -57,6 +57,8 @@ from flax_attention.models.training import (
     as_array,
     check_labels,
     cross_entropy,
+    evaluate_losses,
+    loader_mean,
     loaders_and_optimizer,
     loss_and_grads,
 )
@@ -184,13 +186,13 @@ def _checked(model, input_batch, target_batch):
 
 def calc_loss_loader(data_loader, model, num_batches: int | None = None) -> float:
     """The mean of the first ``num_batches`` batches' losses (all if ``None``; ``nan`` for an
-    empty loader), as the book's; runs in the model's current mode."""
-    check_int("num_batches", num_batches, 1, optional="every batch")
-    total, count = 0.0, 0
-    for input_batch, target_batch in itertools.islice(data_loader, num_batches):
-        total += float(_checked(model, input_batch, target_batch)[0])
-        count += 1
-    return total / count if count else math.nan
+    empty loader), as the book's; runs in the model's current mode. Chapter 5's
+    ``calc_loss_loader`` with the last token's loss against labels in place of every token's."""
+
+    def loss(input_batch, target_batch):  # labels, not token ids
+        return float(_checked(model, input_batch, target_batch)[0])
+
+    return loader_mean(data_loader, num_batches, loss)
 
 
 def calc_accuracy_loader(data_loader, model, num_batches: int | None = None) -> float:
@@ -214,13 +216,7 @@ def _accuracy(model, data_loader, num_batches):
 def evaluate_model(model, train_loader, val_loader, eval_iter: int) -> tuple[float, float]:
     """``(train_loss, val_loss)`` over ``eval_iter`` batches each, in eval mode; the model is
     back in train mode afterwards, as the book's ``evaluate_model`` leaves it."""
-    model.eval()
-    try:
-        train_loss = calc_loss_loader(train_loader, model, num_batches=eval_iter)
-        val_loss = calc_loss_loader(val_loader, model, num_batches=eval_iter)
-    finally:
-        model.train()
-    return train_loss, val_loss
+    return evaluate_losses(calc_loss_loader, model, train_loader, val_loader, eval_iter)
 
 
 # ---- the loop ------------------------------------------------------------------------------------

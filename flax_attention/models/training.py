@@ -200,9 +200,11 @@ def _eval_loss(model, input_batch, target_batch):
     return calc_loss_batch(input_batch, target_batch, model)
 
 
-def _loader_mean(batches, num_batches, per_batch) -> float:
-    """The mean of ``per_batch`` over the first ``num_batches`` batches (all if ``None``), read
-    lazily; ``nan`` for none."""
+def loader_mean(batches, num_batches, per_batch) -> float:
+    """The mean of ``per_batch(input_batch, target_batch)`` over the first ``num_batches``
+    batches (all if ``None``), read lazily; ``nan`` for none: both chapters'
+    ``calc_loss_loader``, each with its own ``per_batch`` (token ids here, labels in
+    ``classify``)."""
     check_int("num_batches", num_batches, 1, optional="every batch")
     total, count = 0.0, 0
     for input_batch, target_batch in itertools.islice(batches, num_batches):
@@ -220,21 +222,29 @@ def calc_loss_loader(batches, model, num_batches: int | None = None) -> float:
         check_labels(target_batch, model.cfg["vocab_size"], IGNORE_INDEX, "token ids")
         return float(_eval_loss(model, as_array(input_batch), as_array(target_batch)))
 
-    return _loader_mean(batches, num_batches, loss)
+    return loader_mean(batches, num_batches, loss)
+
+
+def evaluate_losses(calc_loss_loader, model, train_loader, val_loader, eval_iter):
+    """Both chapters' ``evaluate_model``, each with its own ``calc_loss_loader``: ``(train_loss,
+    val_loss)`` over ``eval_iter`` batches each (``None``: every batch), in eval mode (dropout
+    off); the model is back in train mode afterwards, as the book's ``evaluate_model`` leaves
+    it."""
+    check_int("eval_iter", eval_iter, 1, optional="every batch")
+    model.eval()
+    try:
+        train_loss = calc_loss_loader(train_loader, model, num_batches=eval_iter)
+        val_loss = calc_loss_loader(val_loader, model, num_batches=eval_iter)
+    finally:
+        model.train()
+    return train_loss, val_loss
 
 
 def evaluate_model(model, train_batches, val_batches, eval_iter: int) -> tuple[float, float]:
     """``(train_loss, val_loss)`` over ``eval_iter`` batches each (``None``: every batch, as
     the book's ``calc_loss_loader`` reads it), in eval mode (dropout off); the model is back in
     train mode afterwards, as the book's ``evaluate_model`` leaves it."""
-    check_int("eval_iter", eval_iter, 1, optional="every batch")
-    model.eval()
-    try:
-        train_loss = calc_loss_loader(train_batches, model, num_batches=eval_iter)
-        val_loss = calc_loss_loader(val_batches, model, num_batches=eval_iter)
-    finally:
-        model.train()
-    return train_loss, val_loss
+    return evaluate_losses(calc_loss_loader, model, train_batches, val_batches, eval_iter)
 
 
 # ---- chapter 5's loop ----------------------------------------------------------------------------
