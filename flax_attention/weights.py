@@ -26,7 +26,9 @@ descriptions there too: each of their keys is a concatenation of the documents' 
 stacked), stored transposed or not. Every layout goes through the same checks below, so a key's
 problems read the same whatever the layout; ``prefix`` picks one layer's keys out of a model's.
 Safetensors files are opened in one place, ``open_safetensors`` (``load_file`` and
-``models.checkpoints``' sharded directories), their tensors read only when checked and placed.
+``models.checkpoints``' sharded directories), their tensors read only when checked and placed,
+and written in one, ``write_safetensors`` (``save_file`` and ``models.checkpoints``'
+``save_pretrained``).
 """
 
 from __future__ import annotations
@@ -730,9 +732,19 @@ def save_file(
 ) -> None:
     """Write ``state_dict(module, layout=layout, prefix=prefix)`` to a safetensors file that
     torch loads as its ``state_dict``."""
+    write_safetensors(state_dict(module, layout=layout, prefix=prefix), path)
+
+
+def write_safetensors(
+    tensors: dict[str, np.ndarray], path: str | os.PathLike, metadata: dict[str, str] | None = None
+) -> None:
+    """Write ``tensors`` (NumPy arrays by name, as ``state_dict`` gives them) to the safetensors
+    file ``path``, with ``metadata`` in its header when given (a Hugging Face checkpoint's
+    ``{"format": "pt"}``); the package's one writer, as ``open_safetensors`` is its one
+    reader."""
     from safetensors.numpy import save_file as _save
 
-    _save(state_dict(module, layout=layout, prefix=prefix), os.fspath(path))
+    _save(tensors, os.fspath(path), metadata=metadata)
 
 
 class FileTensor:

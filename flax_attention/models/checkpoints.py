@@ -31,7 +31,12 @@ from flax import nnx
 
 from flax_attention._checks import check_instance
 from flax_attention.sharding import shard
-from flax_attention.weights import load_state_dict, open_safetensors, state_dict
+from flax_attention.weights import (
+    load_state_dict,
+    open_safetensors,
+    state_dict,
+    write_safetensors,
+)
 
 __all__ = [
     "config_from_hf",
@@ -251,14 +256,12 @@ def load_pretrained(cls, path: str | os.PathLike, *, seed: int = 0, mesh=None, *
 def save_pretrained(model, path: str | os.PathLike) -> None:
     """Write ``config.json`` and ``model.safetensors`` (Hugging Face's names, ``transformer.``
     prefixed; a tied head's ``lm_head.weight`` left out, as transformers writes it)."""
-    from safetensors.numpy import save_file
-
     directory = pathlib.Path(path)
     directory.mkdir(parents=True, exist_ok=True)
     tensors = state_dict(model, layout="gpt2")
     if model.cfg["tie_word_embeddings"]:
         tensors.pop("lm_head.weight")
-    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    write_safetensors(tensors, directory / "model.safetensors", metadata={"format": "pt"})
     (directory / "config.json").write_text(json.dumps(config_to_hf(model.cfg), indent=2) + "\n")
 
 

@@ -24,7 +24,9 @@ token's logits
 ``train_classifier_simple(model, train_loader,      ``train_classifier_simple(model, train_loader,
 val_loader, optimizer, device, num_epochs,          val_loader, optimizer, num_epochs, eval_freq,
 eval_freq, eval_iter)``                             eval_iter)`` (the optimizer may also come
-                                                    second)
+                                                    second): chapter 5's loop
+                                                    (``training.train_loop``), examples counted,
+                                                    the accuracies after each epoch
 ``classify_review(text, model, tokenizer, device,   ``classify_review(text, model, tokenizer,
 max_length=None, pad_token_id=50256)``              max_length=None, pad_token_id=50256)``
 ==================================================  ===============================================
@@ -56,9 +58,13 @@ from flax_attention.models.gpt import _REPLICATED, GPTModel, describe_head, head
 from flax_attention.models.training import (
     as_array,
     check_labels,
+    check_loop,
     cross_entropy,
+    evaluate_losses,
+    loader_mean,
     loaders_and_optimizer,
     loss_and_grads,
+    train_loop,
 )
 
 __all__ = [
@@ -184,13 +190,13 @@ def _checked(model, input_batch, target_batch):
 
 def calc_loss_loader(data_loader, model, num_batches: int | None = None) -> float:
     """The mean of the first ``num_batches`` batches' losses (all if ``None``; ``nan`` for an
-    empty loader), as the book's; runs in the model's current mode."""
-    check_int("num_batches", num_batches, 1, optional="every batch")
-    total, count = 0.0, 0
-    for input_batch, target_batch in itertools.islice(data_loader, num_batches):
-        total += float(_checked(model, input_batch, target_batch)[0])
-        count += 1
-    return total / count if count else math.nan
+    empty loader), as the book's; runs in the model's current mode. Chapter 5's
+    ``calc_loss_loader`` with the last token's loss against labels in place of every token's."""
+
+    def loss(input_batch, target_batch):  # labels, not token ids
+        return float(_checked(model, input_batch, target_batch)[0])
+
+    return loader_mean(data_loader, num_batches, loss)
 
 
 def calc_accuracy_loader(data_loader, model, num_batches: int | None = None) -> float:
@@ -214,16 +220,14 @@ def _accuracy(model, data_loader, num_batches):
 def evaluate_model(model, train_loader, val_loader, eval_iter: int) -> tuple[float, float]:
     """``(train_loss, val_loss)`` over ``eval_iter`` batches each, in eval mode; the model is
     back in train mode afterwards, as the book's ``evaluate_model`` leaves it."""
-    model.eval()
-    try:
-        train_loss = calc_loss_loader(train_loader, model, num_batches=eval_iter)
-        val_loss = calc_loss_loader(val_loader, model, num_batches=eval_iter)
-    finally:
-        model.train()
-    return train_loss, val_loss
+    return evaluate_losses(calc_loss_loader, model, train_loader, val_loader, eval_iter)
 
 
 # ---- the loop ------------------------------------------------------------------------------------
+
+
+def _examples(input_batch) -> int:
+    return np.shape(input_batch)[0]
 
 
 def train_classifier_simple(
@@ -248,32 +252,33 @@ def train_classifier_simple(
     The loaders are read anew at every epoch and evaluation (lists of batches, DataLoaders)."""
     train_loader, val_loader, optimizer = loaders_and_optimizer(train_loader, val_loader, optimizer)
     num_classes_of(model)
-    for name, value in (("num_epochs", num_epochs), ("eval_freq", eval_freq)):
-        check_int(name, value, 1)
-    check_int("eval_iter", eval_iter, 1, optional="every batch")
-    train_losses, val_losses, train_accs, val_accs = [], [], [], []
-    examples_seen, global_step = 0, -1
-    for epoch in range(num_epochs):
-        model.train()
-        for input_batch, target_batch in train_loader:
-            train_step(model, optimizer, input_batch, target_batch)
-            examples_seen += np.shape(input_batch)[0]
-            global_step += 1
-            if global_step % eval_freq == 0:
-                train_loss, val_loss = evaluate_model(model, train_loader, val_loader, eval_iter)
-                train_losses.append(train_loss)
-                val_losses.append(val_loss)
-                print(
-                    f"Ep {epoch + 1} (Step {global_step:06d}): "
-                    f"Train loss {train_loss:.3f}, Val loss {val_loss:.3f}"
-                )
+    check_loop("num_epochs", num_epochs, eval_freq, eval_iter)
+    train_accs, val_accs = [], []
+
+    def step(global_step, input_batch, target_batch):
+        train_step(model, optimizer, input_batch, target_batch)
+
+    def accuracies():  # the book's end of an epoch
         train_accuracy = calc_accuracy_loader(train_loader, model, num_batches=eval_iter)
         val_accuracy = calc_accuracy_loader(val_loader, model, num_batches=eval_iter)
         print(f"Training accuracy: {train_accuracy * 100:.2f}% | ", end="")
         print(f"Validation accuracy: {val_accuracy * 100:.2f}%")
         train_accs.append(train_accuracy)
         val_accs.append(val_accuracy)
-    return train_losses, val_losses, train_accs, val_accs, examples_seen
+
+    progress = train_loop(
+        model,
+        train_loader,
+        val_loader,
+        num_epochs,
+        eval_freq,
+        eval_iter,
+        step=step,
+        evaluate=evaluate_model,
+        count=_examples,
+        end_of_epoch=accuracies,
+    )
+    return progress.train_losses, progress.val_losses, train_accs, val_accs, progress.seen
 
 
 # ---- one text ------------------------------------------------------------------------------------

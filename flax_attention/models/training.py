@@ -35,6 +35,14 @@ token, as the book's ``GPTDatasetV1`` makes them, or chapter 7's ``custom_collat
 CPU torch tensors. Dropout draws from the model's own ``nnx.Rngs`` streams in train mode. A step
 trains what the optimiser was built for (its ``wrt``: ``nnx.Param`` for the whole model, a
 narrower filter for a part of it) and compiles once per batch shape.
+
+The book writes its loop three times (chapter 5's ``train_model_simple``, chapter 6's
+``train_classifier_simple``, appendix D's ``train_model``); here it is one, ``train_loop``, and
+each of the three gives it what differs: its step, what it counts (tokens, or examples), its
+progress line's word (``Step``, appendix D's ``Iter``) and its end of an epoch (a sample, or the
+accuracies). Likewise both chapters' ``calc_loss_loader`` are ``loader_mean`` of their own batch
+loss (token ids here, labels in ``classify``) and both ``evaluate_model`` are
+``evaluate_losses`` of their own ``calc_loss_loader``.
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ import functools
 import inspect
 import itertools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -200,9 +209,11 @@ def _eval_loss(model, input_batch, target_batch):
     return calc_loss_batch(input_batch, target_batch, model)
 
 
-def _loader_mean(batches, num_batches, per_batch) -> float:
-    """The mean of ``per_batch`` over the first ``num_batches`` batches (all if ``None``), read
-    lazily; ``nan`` for none."""
+def loader_mean(batches, num_batches, per_batch) -> float:
+    """The mean of ``per_batch(input_batch, target_batch)`` over the first ``num_batches``
+    batches (all if ``None``), read lazily; ``nan`` for none: both chapters'
+    ``calc_loss_loader``, each with its own ``per_batch`` (token ids here, labels in
+    ``classify``)."""
     check_int("num_batches", num_batches, 1, optional="every batch")
     total, count = 0.0, 0
     for input_batch, target_batch in itertools.islice(batches, num_batches):
@@ -220,21 +231,29 @@ def calc_loss_loader(batches, model, num_batches: int | None = None) -> float:
         check_labels(target_batch, model.cfg["vocab_size"], IGNORE_INDEX, "token ids")
         return float(_eval_loss(model, as_array(input_batch), as_array(target_batch)))
 
-    return _loader_mean(batches, num_batches, loss)
+    return loader_mean(batches, num_batches, loss)
+
+
+def evaluate_losses(calc_loss_loader, model, train_loader, val_loader, eval_iter):
+    """Both chapters' ``evaluate_model``, each with its own ``calc_loss_loader``: ``(train_loss,
+    val_loss)`` over ``eval_iter`` batches each (``None``: every batch), in eval mode (dropout
+    off); the model is back in train mode afterwards, as the book's ``evaluate_model`` leaves
+    it."""
+    check_int("eval_iter", eval_iter, 1, optional="every batch")
+    model.eval()
+    try:
+        train_loss = calc_loss_loader(train_loader, model, num_batches=eval_iter)
+        val_loss = calc_loss_loader(val_loader, model, num_batches=eval_iter)
+    finally:
+        model.train()
+    return train_loss, val_loss
 
 
 def evaluate_model(model, train_batches, val_batches, eval_iter: int) -> tuple[float, float]:
     """``(train_loss, val_loss)`` over ``eval_iter`` batches each (``None``: every batch, as
     the book's ``calc_loss_loader`` reads it), in eval mode (dropout off); the model is back in
     train mode afterwards, as the book's ``evaluate_model`` leaves it."""
-    check_int("eval_iter", eval_iter, 1, optional="every batch")
-    model.eval()
-    try:
-        train_loss = calc_loss_loader(train_batches, model, num_batches=eval_iter)
-        val_loss = calc_loss_loader(val_batches, model, num_batches=eval_iter)
-    finally:
-        model.train()
-    return train_loss, val_loss
+    return evaluate_losses(calc_loss_loader, model, train_batches, val_batches, eval_iter)
 
 
 # ---- chapter 5's loop ----------------------------------------------------------------------------
@@ -274,6 +293,76 @@ def _tokens(input_batch) -> int:
     return math.prod(np.shape(input_batch))
 
 
+def check_loop(epochs_name: str, num_epochs, eval_freq, eval_iter) -> None:
+    """The counts every loop of the book takes (``num_epochs``, appendix D's ``n_epochs``)."""
+    check_int(epochs_name, num_epochs, 1)
+    check_int("eval_freq", eval_freq, 1)
+    check_int("eval_iter", eval_iter, 1, optional="every batch")
+
+
+class Progress(NamedTuple):
+    """What ``train_loop`` tracks: each evaluation's losses, what was seen by then (tokens or
+    examples), and what was seen in all."""
+
+    train_losses: list[float]
+    val_losses: list[float]
+    track_seen: list[int]
+    seen: int
+
+
+def train_loop(
+    model,
+    train_loader,
+    val_loader,
+    num_epochs: int,
+    eval_freq: int,
+    eval_iter: int | None,
+    *,
+    step,
+    evaluate,
+    count,
+    step_name: str = "Step",
+    end_of_epoch=None,
+) -> Progress:
+    """The loop of the book's chapter 5 (``train_model_simple``), chapter 6
+    (``classify.train_classifier_simple``) and appendix D (``train_model``), each giving what
+    differs: ``num_epochs`` passes over ``train_loader``, the model put in train mode at each;
+    ``step(global_step, input_batch, target_batch)`` on every batch (``global_step`` from 0) and
+    ``count(input_batch)`` (tokens, or examples) added to what is seen; every ``eval_freq`` steps
+    from step 0 ``evaluate(model, train_loader, val_loader, eval_iter)`` and the book's line
+    ``Ep 1 (Step 000000): Train loss 4.689, Val loss 4.919`` (``step_name``: appendix D's
+    ``"Iter"``); after each epoch ``end_of_epoch()`` (a sample, the accuracies) when given.
+    The arguments come checked."""
+    train_losses, val_losses, track_seen = [], [], []
+    seen, global_step = 0, -1
+    for epoch in range(num_epochs):
+        model.train()
+        for input_batch, target_batch in train_loader:
+            global_step += 1
+            step(global_step, input_batch, target_batch)
+            seen += count(input_batch)
+            if global_step % eval_freq == 0:
+                train_loss, val_loss = evaluate(model, train_loader, val_loader, eval_iter)
+                train_losses.append(train_loss)
+                val_losses.append(val_loss)
+                track_seen.append(seen)
+                print(
+                    f"Ep {epoch + 1} ({step_name} {global_step:06d}): "
+                    f"Train loss {train_loss:.3f}, Val loss {val_loss:.3f}"
+                )
+        if end_of_epoch is not None:
+            end_of_epoch()
+    return Progress(train_losses, val_losses, track_seen, seen)
+
+
+def _sample_after_epoch(model, tokenizer, start_context):
+    """Chapter 5's end of an epoch: a sample from ``start_context``, when it and ``tokenizer``
+    are given."""
+    if start_context is None or tokenizer is None:
+        return None
+    return functools.partial(generate_and_print_sample, model, tokenizer, start_context)
+
+
 def train_model_simple(
     model,
     train_loader,
@@ -295,29 +384,24 @@ def train_model_simple(
     also come second, ``(model, optimizer, train_loader, val_loader, ...)``. Targets of -100
     (chapter 7's ``custom_collate_fn``) are left out of the loss."""
     train_loader, val_loader, optimizer = loaders_and_optimizer(train_loader, val_loader, optimizer)
-    for name, value in (("num_epochs", num_epochs), ("eval_freq", eval_freq)):
-        check_int(name, value, 1)
-    check_int("eval_iter", eval_iter, 1, optional="every batch")
-    train_losses, val_losses, track_tokens_seen = [], [], []
-    tokens_seen, global_step = 0, -1
-    for epoch in range(num_epochs):
-        model.train()
-        for input_batch, target_batch in train_loader:
-            train_step(model, optimizer, input_batch, target_batch)
-            tokens_seen += _tokens(input_batch)
-            global_step += 1
-            if global_step % eval_freq == 0:
-                train_loss, val_loss = evaluate_model(model, train_loader, val_loader, eval_iter)
-                train_losses.append(train_loss)
-                val_losses.append(val_loss)
-                track_tokens_seen.append(tokens_seen)
-                print(
-                    f"Ep {epoch + 1} (Step {global_step:06d}): "
-                    f"Train loss {train_loss:.3f}, Val loss {val_loss:.3f}"
-                )
-        if start_context is not None and tokenizer is not None:
-            generate_and_print_sample(model, tokenizer, start_context)
-    return train_losses, val_losses, track_tokens_seen
+    check_loop("num_epochs", num_epochs, eval_freq, eval_iter)
+
+    def step(global_step, input_batch, target_batch):
+        train_step(model, optimizer, input_batch, target_batch)
+
+    progress = train_loop(
+        model,
+        train_loader,
+        val_loader,
+        num_epochs,
+        eval_freq,
+        eval_iter,
+        step=step,
+        evaluate=evaluate_model,
+        count=_tokens,
+        end_of_epoch=_sample_after_epoch(model, tokenizer, start_context),
+    )
+    return progress.train_losses, progress.val_losses, progress.track_seen
 
 
 # ---- appendix D ----------------------------------------------------------------------------------
@@ -380,6 +464,27 @@ def learning_rate(
     return min_lr + (peak_lr - min_lr) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def _schedule(train_loader, n_epochs, warmup_steps, initial_lr, peak_lr, min_lr):
+    """``learning_rate`` over ``len(train_loader) * n_epochs`` steps, a function of the step;
+    its arguments checked (``train_loader`` must have a ``len()``)."""
+    check_int("warmup_steps", warmup_steps, 1)
+    for name, value in (("peak_lr", peak_lr), ("initial_lr", initial_lr), ("min_lr", min_lr)):
+        check_real(name, value, 0)
+    if not hasattr(train_loader, "__len__"):
+        raise TypeError(
+            f"train_loader ({type(train_loader).__name__}) must have a len(): the schedule "
+            "spans len(train_loader) * n_epochs steps (a list of batches or a DataLoader)"
+        )
+    return functools.partial(
+        learning_rate,
+        warmup_steps=warmup_steps,
+        total_training_steps=len(train_loader) * n_epochs,
+        initial_lr=initial_lr,
+        peak_lr=peak_lr,
+        min_lr=min_lr,
+    )
+
+
 def train_model(
     model,
     train_loader,
@@ -414,63 +519,36 @@ def train_model(
     """
     check_reiterable("train_loader", train_loader)
     check_reiterable("val_loader", val_loader)
-    for name, value in (
-        ("n_epochs", n_epochs),
-        ("eval_freq", eval_freq),
-        ("warmup_steps", warmup_steps),
-    ):
-        check_int(name, value, 1)
-    check_int("eval_iter", eval_iter, 1, optional="every batch")
-    for name, value in (
-        ("peak_lr", peak_lr),
-        ("initial_lr", initial_lr),
-        ("min_lr", min_lr),
-        ("weight_decay", weight_decay),
-    ):
-        check_real(name, value, 0)
-    if not hasattr(train_loader, "__len__"):
-        raise TypeError(
-            f"train_loader ({type(train_loader).__name__}) must have a len(): the schedule "
-            "spans len(train_loader) * n_epochs steps (a list of batches or a DataLoader)"
-        )
-    total_training_steps = len(train_loader) * n_epochs
-    schedule = functools.partial(
-        learning_rate,
-        warmup_steps=warmup_steps,
-        total_training_steps=total_training_steps,
-        initial_lr=initial_lr,
-        peak_lr=peak_lr,
-        min_lr=min_lr,
-    )
+    check_loop("n_epochs", n_epochs, eval_freq, eval_iter)
+    schedule = _schedule(train_loader, n_epochs, warmup_steps, initial_lr, peak_lr, min_lr)
+    check_real("weight_decay", weight_decay, 0)
     optimizer = nnx.Optimizer(model, _adamw(float(weight_decay)), wrt=nnx.Param)
+    track_lrs = []
 
-    train_losses, val_losses, track_tokens_seen, track_lrs = [], [], [], []
-    tokens_seen, global_step = 0, -1
-    for epoch in range(n_epochs):
-        model.train()
-        for input_batch, target_batch in train_loader:
-            global_step += 1
-            lr = schedule(global_step)
-            track_lrs.append(lr)
-            check_labels(target_batch, model.cfg["vocab_size"], IGNORE_INDEX, "token ids")
-            _scheduled_step(
-                model,
-                optimizer,
-                as_array(input_batch),
-                as_array(target_batch),
-                jnp.float32(lr),
-                jnp.bool_(global_step >= warmup_steps),
-            )
-            tokens_seen += _tokens(input_batch)
-            if global_step % eval_freq == 0:
-                train_loss, val_loss = evaluate_model(model, train_loader, val_loader, eval_iter)
-                train_losses.append(train_loss)
-                val_losses.append(val_loss)
-                track_tokens_seen.append(tokens_seen)
-                print(
-                    f"Ep {epoch + 1} (Iter {global_step:06d}): "
-                    f"Train loss {train_loss:.3f}, Val loss {val_loss:.3f}"
-                )
-        if start_context is not None and tokenizer is not None:
-            generate_and_print_sample(model, tokenizer, start_context)
-    return train_losses, val_losses, track_tokens_seen, track_lrs
+    def step(global_step, input_batch, target_batch):
+        lr = schedule(global_step)
+        track_lrs.append(lr)
+        check_labels(target_batch, model.cfg["vocab_size"], IGNORE_INDEX, "token ids")
+        _scheduled_step(
+            model,
+            optimizer,
+            as_array(input_batch),
+            as_array(target_batch),
+            jnp.float32(lr),
+            jnp.bool_(global_step >= warmup_steps),
+        )
+
+    progress = train_loop(
+        model,
+        train_loader,
+        val_loader,
+        n_epochs,
+        eval_freq,
+        eval_iter,
+        step=step,
+        evaluate=evaluate_model,
+        count=_tokens,
+        step_name="Iter",
+        end_of_epoch=_sample_after_epoch(model, tokenizer, start_context),
+    )
+    return progress.train_losses, progress.val_losses, progress.track_seen, track_lrs
