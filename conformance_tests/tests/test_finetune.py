@@ -637,13 +637,16 @@ def test_appendix_d_equals_the_books_at_every_step(scheduled):
     assert train_losses[-1] < train_losses[0] - 0.1, "the loss did not fall: a weak check"
 
 
-def test_appendix_d_below_the_clipping_norm_another_decay_and_every_batch():
+def test_appendix_d_below_the_clipping_norm_another_decay_and_every_batch(capsys):
     """The rest of appendix D's options: gradient norms below 1 after the warmup (torch's
     ``clip_grad_norm_`` leaves them as they are), a ``weight_decay`` other than the book's 0.1,
-    and ``eval_iter=None`` (every batch, as the book's ``calc_loss_loader`` reads it)."""
+    and ``eval_iter=None`` (every batch, as the book's ``calc_loss_loader`` reads it); the
+    progress lines as the book prints them."""
     twin, model, book, ours, torch_norms, flax_steps = _appendix_d(
         seed=5, scale=0.5, n_epochs=2, eval_iter=None, weight_decay=0.5
     )
+    lines = capsys.readouterr().out.splitlines()  # the book's 6, then ours
+    assert len(lines) == 12 and lines[:6] == lines[6:], lines
     # torch's rule on its own, a norm below and above ``max_norm``: left, and scaled down
     rng = np.random.default_rng(5)
     for size in (0.2, 4.0):
@@ -669,6 +672,28 @@ def test_appendix_d_below_the_clipping_norm_another_decay_and_every_batch():
     assert param_error <= TRAIN_TOL, f"{worst}: {param_error:.2e} > {TRAIN_TOL}"
 
 
+def test_the_classifier_prints_the_books_progress_lines(capsys):
+    """Chapter 6's loop, one epoch: every line it prints (losses every step, accuracies after
+    the epoch) as the book's."""
+    twin = _classifier_twin()
+    initial = _numpy(twin.state_dict())
+    rng = np.random.default_rng(10)
+    batches = list(zip(rng.integers(0, PAD, (5, BATCH, TOKENS)), rng.integers(0, 2, (5, BATCH))))
+    train, val = batches[:3], batches[3:]
+    optimizer = torch.optim.AdamW(twin.parameters(), lr=5e-5, weight_decay=0.1)
+    book_finetune.train_classifier_simple(
+        twin, _as_torch(train), _as_torch(val), optimizer, "cpu",
+        num_epochs=1, eval_freq=1, eval_iter=2,
+    )  # fmt: skip
+    printed = capsys.readouterr().out
+    model = _classifier(initial)
+    flax_optimizer = nnx.Optimizer(model, ADAMW, wrt=classify.trainable_filter(model))
+    classify.train_classifier_simple(
+        model, train, val, flax_optimizer, num_epochs=1, eval_freq=1, eval_iter=2
+    )
+    assert capsys.readouterr().out == printed and printed.count("\n") == 4, printed
+
+
 def test_each_evaluate_model_puts_the_model_back_in_train_mode(classified, instructed):
     """Chapters 5 and 6 leave the model in train mode after an evaluation, whatever mode it
     came in (the tests' models have no dropout, so no loss would show it)."""
@@ -681,10 +706,10 @@ def test_each_evaluate_model_puts_the_model_back_in_train_mode(classified, instr
         assert _deterministic(model) == [False] * 5, module.__name__
 
 
-def test_train_model_simple_evaluates_every_batch_for_eval_iter_none():
+def test_train_model_simple_evaluates_every_batch_for_eval_iter_none(capsys):
     """The book's ``train_model_simple(..., eval_iter=None)``: the losses over every batch of
     each loader, equal to the book's (it was refused at the first evaluation, after one step had
-    already changed the model)."""
+    already changed the model), and its progress lines as the book prints them."""
     batches = _token_batches(np.random.default_rng(9), 5)
     train, val = batches[:3], batches[3:]
     twin = _twin(seed=9)
@@ -694,11 +719,13 @@ def test_train_model_simple_evaluates_every_batch_for_eval_iter_none():
         twin, _as_torch(train), _as_torch(val), optimizer, "cpu",
         num_epochs=1, eval_freq=1, eval_iter=None, start_context=None, tokenizer=None,
     )  # fmt: skip
+    printed = capsys.readouterr().out
     model = new_model(models.GPTModel, CFG)
     fa.load_state_dict(model, initial)
     ours = models.train_model_simple(
         model, train, val, nnx.Optimizer(model, ADAMW, wrt=nnx.Param), 1, 1, None
     )
+    assert capsys.readouterr().out == printed and printed.count("\n") == 3, printed
     assert ours[2] == book[2] and len(ours[0]) == 3
     loss_error = max(_error(g, e) for g, e in zip(ours[0] + ours[1], book[0] + book[1]))
     assert loss_error <= TRAIN_TOL, f"losses: {loss_error:.2e} > {TRAIN_TOL}"
