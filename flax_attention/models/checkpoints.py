@@ -22,7 +22,7 @@ import os
 import pathlib
 import pickletools
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -52,9 +52,24 @@ TANH_GELU = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
 
 
 def config_from_hf(hf: Mapping) -> dict:
-    """The book's ``cfg`` from a GPT-2 ``config.json``'s contents. Options the book's model does
-    not have are a ``ValueError`` naming them (another activation, ``layer_norm_epsilon`` other
-    than the book's 1e-5, ``n_inner`` other than ``4 * n_embd``, unequal dropout rates, scaled or
+    """The book's ``cfg`` from a Hugging Face ``config.json``'s contents, read by its
+    ``model_type`` (``CONFIG_READERS``; absent: ``"gpt2"``, as GPT-2's first checkpoints); a
+    type no reader knows is a ``ValueError`` naming it and the known ones."""
+    check_instance("hf", hf, Mapping, "a config.json's contents (a dict)")
+    model_type = hf.get("model_type", "gpt2")
+    reader = CONFIG_READERS.get(model_type)
+    if reader is None:
+        raise ValueError(
+            f"config model_type ({model_type!r}) must be one of {tuple(CONFIG_READERS)} (the "
+            "models whose config.json this package reads)"
+        )
+    return reader(hf)
+
+
+def _gpt2_config(hf: Mapping) -> dict:
+    """GPT-2's ``config.json`` as the book's ``GPTModel`` cfg. Options the book's model does not
+    have are a ``ValueError`` naming them (another activation, ``layer_norm_epsilon`` other than
+    the book's 1e-5, ``n_inner`` other than ``4 * n_embd``, unequal dropout rates, scaled or
     reordered attention, cross-attention)."""
     fixed = {  # name: (value, what the book's model takes, why)
         "activation_function": (
@@ -112,6 +127,11 @@ def config_from_hf(hf: Mapping) -> dict:
         # absent means tied: transformers' GPT2Config defaults it to True (the hub's gpt2)
         "tie_word_embeddings": hf.get("tie_word_embeddings", True),
     }
+
+
+#: Hugging Face ``model_type`` -> the reader of its ``config.json`` into the book's cfg of the
+#: matching model: a new model registers its reader here, and nothing else reads configs.
+CONFIG_READERS: dict[str, Callable[[Mapping], dict]] = {"gpt2": _gpt2_config}
 
 
 def config_to_hf(cfg: Mapping) -> dict:
