@@ -373,6 +373,46 @@ def test_generate_runs_a_train_mode_model_in_eval_mode_and_leaves_it_in_train_mo
     assert _dropouts_deterministic(dropping) == [False] * 5
 
 
+class _Wrapped(nnx.Module):
+    """Another model: not a GPTModel, only what ``generation.CausalLM`` asks for."""
+
+    def __init__(self, inner):
+        self.inner, self.cfg = inner, inner.cfg
+
+    def hidden_states(self, in_idx, *, decode=False, attention_mask=None):
+        return self.inner.hidden_states(in_idx, decode=decode, attention_mask=attention_mask)
+
+    def logits(self, x):
+        return self.inner.logits(x)
+
+    def init_cache(self, batch_size, max_length=None, dtype=None):
+        self.inner.init_cache(batch_size, max_length, dtype)
+
+    def clear_cache(self):
+        self.inner.clear_cache()
+
+
+def test_generate_takes_any_model_meeting_its_protocol(pair):
+    """``generate`` reads a model through ``CausalLM`` only: a model of another class gives the
+    book's tokens (cached steps and a cropped window, a left-padded batch); an object without
+    the protocol is refused naming it."""
+    twin, model = pair
+    other = _Wrapped(model)
+    assert isinstance(other, models.generation.CausalLM) and not isinstance(other, models.GPTModel)
+    expected = _book(book_gpt.generate_text_simple, twin, PROMPTS[:, :5], 14, 16)
+    np.testing.assert_array_equal(models.generate(other, PROMPTS[:, :5], 14, 16), expected)
+    padded = np.asarray([[0, 0, *PROMPTS[0, :3]], list(PROMPTS[1, :5])])
+    mask = (np.arange(5) >= [[2], [0]]).astype(np.int32)
+    np.testing.assert_array_equal(
+        models.generate(other, padded, 4, 16, attention_mask=mask),
+        models.generate(model, padded, 4, 16, attention_mask=mask),
+    )
+    with pytest.raises(
+        TypeError, match=r"^model \(Linear\) must be a GPTModel or another .*CausalLM"
+    ):
+        models.generate(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), PROMPTS[:, :5], 2, 16)
+
+
 def test_a_tiny_temperature_is_greedy_and_a_huge_one_draws_anew_each_step(pair):
     """``logits / temperature``: at 1e-4 sampling is argmax (a multiplied temperature would draw
     nearly uniformly); at 1e6 nearly uniform, and each step its own key (one key for every

@@ -1,4 +1,5 @@
-"""The book's generation (chapters 4 and 5) for ``GPTModel``, compiled once per shape.
+"""The book's generation (chapters 4 and 5) for ``GPTModel`` and any model that meets
+``CausalLM`` (below), compiled once per shape.
 
 ``generate_text_simple(model, idx, max_new_tokens, context_size)`` and ``generate(model, idx,
 max_new_tokens, context_size, temperature=0.0, top_k=None, eos_id=None)`` keep the book's
@@ -42,7 +43,8 @@ dropped at the end.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from collections.abc import Mapping
+from typing import NamedTuple, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -57,7 +59,37 @@ from flax_attention.models._modes import in_eval_mode
 from flax_attention.models.gpt import GPTModel, describe_head, head_outputs
 from flax_attention.models.quantized import Int8Weight, WeightScale
 
-__all__ = ["PROMPT_BUCKET", "generate", "generate_text_simple", "next_token"]
+__all__ = ["PROMPT_BUCKET", "CausalLM", "generate", "generate_text_simple", "next_token"]
+
+
+@runtime_checkable
+class CausalLM(Protocol):
+    """What ``generate`` asks of a model (an ``nnx.Module``; ``GPTModel`` is one):
+
+    - ``cfg``: a mapping with ``vocab_size`` (the logits per token) and ``context_length``;
+    - ``hidden_states(in_idx, *, decode=False, attention_mask=None)``: the last norm's output
+      ``(b, t, d)`` for token ids ``(b, t)``; with ``decode=True`` the tokens continue the
+      sequence in the decode caches, their positions counted from the caches' length;
+      ``attention_mask`` ``(b, s)`` (``s``: ``t``, or the caches' ``max_length`` with
+      ``decode``) is 1 for a token and 0 for left padding, each row's positions counted from its
+      first token;
+    - ``logits(x)``: the head, ``(..., d)`` -> ``(..., vocab_size)`` (a decode step runs it on
+      the last token only);
+    - ``init_cache(batch_size, max_length)`` and ``clear_cache()``: empty decode caches for
+      ``max_length`` tokens in every attention layer, and none again;
+    - ``.eval()``/``.train()``, as every ``nnx.Module``.
+    """
+
+    cfg: Mapping
+
+    def hidden_states(self, in_idx, *, decode: bool = False, attention_mask=None): ...
+
+    def logits(self, x): ...
+
+    def init_cache(self, batch_size, max_length=None, dtype=None) -> None: ...
+
+    def clear_cache(self) -> None: ...
+
 
 #: What a decode loop holds constant: the parameters, and a quantized model's int8 weights and
 #: scales (``models.quantize``); the rest (the caches) travels through the loop.
@@ -67,14 +99,14 @@ _WEIGHTS = nnx.Any(nnx.Param, Int8Weight, WeightScale)
 PROMPT_BUCKET = 64
 
 
-def generate_text_simple(model: GPTModel, idx, max_new_tokens: int, context_size: int):
+def generate_text_simple(model: CausalLM, idx, max_new_tokens: int, context_size: int):
     """The book's chapter 4 loop: ``max_new_tokens`` greedy tokens appended to ``idx``
     ``(b, t)``; returns ``(b, t + max_new_tokens)``. ``generate`` with temperature 0."""
     return generate(model, idx, max_new_tokens, context_size)
 
 
 def generate(
-    model: GPTModel,
+    model: CausalLM,
     idx,
     max_new_tokens: int,
     context_size: int,
@@ -89,7 +121,7 @@ def generate(
     """The book's chapter 5 ``generate`` (module docstring), in one jit.
 
     Args:
-      model: a ``GPTModel``.
+      model: a ``GPTModel``, or another model meeting ``CausalLM``.
       idx: token ids ``(b, t)``, integers below ``vocab_size`` (rows of unequal length need
         left padding and ``attention_mask``).
       max_new_tokens: tokens to append (at most; ``eos_id`` may stop earlier).
@@ -148,10 +180,14 @@ def _check_arguments(
     """``generate``'s arguments checked: ``(plan, ids, mask, (key, temperature))``, ``ids`` and
     ``mask`` NumPy ``(b, t)`` int32 (``mask`` ``None`` if none was given), ``key`` a typed key
     and ``temperature`` a float32 array (1 when greedy), so neither compiles a new program."""
-    if not isinstance(model, GPTModel):
-        raise TypeError(f"model ({type(model).__name__}) must be a GPTModel")
+    if not isinstance(model, nnx.Module) or not isinstance(model, CausalLM):
+        raise TypeError(
+            f"model ({type(model).__name__}) must be a GPTModel or another nnx.Module meeting "
+            "flax_attention.models.generation.CausalLM (cfg, hidden_states with decode and "
+            "attention_mask, logits, init_cache, clear_cache)"
+        )
     cfg = model.cfg
-    outputs = head_outputs(model)
+    outputs = head_outputs(model) if isinstance(model, GPTModel) else cfg["vocab_size"]
     if outputs != cfg["vocab_size"]:
         raise ValueError(
             f"model.out_head ({describe_head(model.out_head)}) must give vocab_size "
