@@ -13,7 +13,7 @@ import numpy as np
 from flax import nnx
 
 from flax_attention import cache as decode_cache
-from flax_attention._checks import check_dropout, check_positive_int
+from flax_attention._checks import check_dropout, check_positive_int, check_splits_over_heads
 from flax_attention._init import Dropout, linear_factory
 from flax_attention._inputs import check_causal_input, check_d_key
 from flax_attention.core import (
@@ -74,6 +74,50 @@ def check_causal_args(d_in, d_out, context_length, dropout, implementation=None,
     check_dropout(dropout)
     check_implementation(implementation)
     check_block_sizes(block_sizes)
+
+
+def init_causal_layer(
+    layer,
+    d_in: int,
+    d_out: int,
+    context_length: int,
+    dropout: float,
+    qkv_bias: bool,
+    *,
+    implementation,
+    block_sizes,
+    dtype,
+    param_dtype,
+    precision,
+    rngs: nnx.Rngs,
+    num_heads: int | None = None,
+):
+    """The constructor body of ``CausalAttention`` and ``MultiHeadAttention`` (``num_heads``:
+    checked positive by the caller, ``d_out`` must split over it), checked: their sizes and
+    options, ``W_query``/``W_key``/``W_value`` ``(d_in, d_out)`` (split over ``model`` by output
+    features), the weights' ``dropout`` and the decode cache's three variables, declared empty
+    (``init_cache`` fills them: keys and values ``(..., h, max_length, d)``, the index). Returns
+    the Linear factory, for the layer's own further projections."""
+    check_causal_args(d_in, d_out, context_length, dropout, implementation, block_sizes)
+    if num_heads is not None:
+        check_splits_over_heads("d_out", d_out, num_heads)
+        layer.num_heads = num_heads
+        layer.head_dim = d_out // num_heads
+    layer.d_in = d_in
+    layer.d_out = d_out
+    layer.context_length = context_length
+    layer.implementation = implementation
+    layer.block_sizes = block_sizes
+    layer.precision = precision
+    linear = linear_factory(dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs)
+    layer.W_query = linear(d_in, d_out, use_bias=qkv_bias, axes=TO_HEADS)
+    layer.W_key = linear(d_in, d_out, use_bias=qkv_bias, axes=TO_HEADS)
+    layer.W_value = linear(d_in, d_out, use_bias=qkv_bias, axes=TO_HEADS)
+    layer.dropout = Dropout(dropout, rngs=rngs)
+    layer.cached_key = nnx.data(None)
+    layer.cached_value = nnx.data(None)
+    layer.cache_index = nnx.data(None)
+    return linear
 
 
 def documents_mask(context_length: int) -> np.ndarray:
@@ -177,24 +221,11 @@ class CausalAttention(decode_cache.CachedLayer, nnx.Module):
         precision=None,
         rngs: nnx.Rngs,
     ):
-        check_causal_args(d_in, d_out, context_length, dropout, implementation, block_sizes)
-        self.d_in = d_in
-        self.d_out = d_out
-        self.context_length = context_length
-        self.implementation = implementation
-        self.block_sizes = block_sizes
-        self.precision = precision
-        linear = linear_factory(
-            dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs
-        )
-        self.W_query = linear(d_in, d_out, use_bias=qkv_bias, axes=TO_HEADS)
-        self.W_key = linear(d_in, d_out, use_bias=qkv_bias, axes=TO_HEADS)
-        self.W_value = linear(d_in, d_out, use_bias=qkv_bias, axes=TO_HEADS)
-        self.dropout = Dropout(dropout, rngs=rngs)
-        # The decode cache (``init_cache``): keys, values (..., 1, max_length, d_out), index.
-        self.cached_key: nnx.Cache | None = nnx.data(None)
-        self.cached_value: nnx.Cache | None = nnx.data(None)
-        self.cache_index: nnx.Cache | None = nnx.data(None)
+        init_causal_layer(
+            self, d_in, d_out, context_length, dropout, qkv_bias, implementation=implementation,
+            block_sizes=block_sizes, dtype=dtype, param_dtype=param_dtype, precision=precision,
+            rngs=rngs,
+        )  # fmt: skip
 
     @property
     def mask(self) -> np.ndarray:
@@ -215,9 +246,11 @@ class CausalAttention(decode_cache.CachedLayer, nnx.Module):
 
     def __call__(self, x: jax.Array, *, decode: bool = False) -> jax.Array:
         check_causal_input(x, self.d_in, self.context_length)
-        keys = constrain(self.W_key(x)[..., None, :], ONE_HEAD)  # (..., t, 1, d_out)
-        queries = constrain(self.W_query(x)[..., None, :], ONE_HEAD)  # (..., t, 1, d_out)
-        values = constrain(self.W_value(x)[..., None, :], ONE_HEAD)  # (..., t, 1, d_out)
+        keys = self.W_key(x)[..., None, :]  # (..., t, 1, d_out)
+        queries = self.W_query(x)[..., None, :]  # (..., t, 1, d_out)
+        values = self.W_value(x)[..., None, :]  # (..., t, 1, d_out)
+        if not jax.sharding.get_abstract_mesh().empty:  # on a mesh: the one head's features
+            keys, queries, values = (constrain(y, ONE_HEAD) for y in (keys, queries, values))
         context_vec = causal_attention(
             queries,
             keys,

@@ -13,19 +13,13 @@ import numpy as np
 from flax import nnx
 
 from flax_attention import cache as decode_cache
-from flax_attention._checks import check_positive_int, check_splits_over_heads
-from flax_attention._init import Dropout, linear_factory
+from flax_attention._checks import check_positive_int
 from flax_attention._inputs import check_causal_input
-from flax_attention.causal import (
-    causal_attention,
-    check_causal_args,
-    documents_mask,
-)
+from flax_attention.causal import causal_attention, documents_mask, init_causal_layer
 from flax_attention.core import BlockSizes, Implementation
 from flax_attention.mesh import (
     FROM_HEADS,
     HEADS,
-    TO_HEADS,
     constrain,
 )
 
@@ -77,28 +71,12 @@ class MultiHeadAttention(decode_cache.CachedLayer, nnx.Module):
         rngs: nnx.Rngs,
     ):
         check_positive_int("num_heads", num_heads)
-        check_causal_args(d_in, d_out, context_length, dropout, implementation, block_sizes)
-        check_splits_over_heads("d_out", d_out, num_heads)
-        self.d_in = d_in
-        self.d_out = d_out
-        self.num_heads = num_heads
-        self.head_dim = d_out // num_heads
-        self.context_length = context_length
-        self.implementation = implementation
-        self.block_sizes = block_sizes
-        self.precision = precision
-        linear = linear_factory(
-            dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs
-        )
-        self.W_query = linear(d_in, d_out, use_bias=qkv_bias, axes=TO_HEADS)
-        self.W_key = linear(d_in, d_out, use_bias=qkv_bias, axes=TO_HEADS)
-        self.W_value = linear(d_in, d_out, use_bias=qkv_bias, axes=TO_HEADS)
+        linear = init_causal_layer(
+            self, d_in, d_out, context_length, dropout, qkv_bias, implementation=implementation,
+            block_sizes=block_sizes, dtype=dtype, param_dtype=param_dtype, precision=precision,
+            rngs=rngs, num_heads=num_heads,
+        )  # fmt: skip
         self.out_proj = linear(d_out, d_out, axes=FROM_HEADS)  # always biased, as in the documents
-        self.dropout = Dropout(dropout, rngs=rngs)
-        # The decode cache (``init_cache``): keys, values (..., h, max_length, d), index.
-        self.cached_key: nnx.Cache | None = nnx.data(None)
-        self.cached_value: nnx.Cache | None = nnx.data(None)
-        self.cache_index: nnx.Cache | None = nnx.data(None)
 
     @property
     def mask(self) -> np.ndarray:
