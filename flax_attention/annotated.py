@@ -28,6 +28,7 @@ from flax_attention.core import (
     AttentionMask,
     BlockSizes,
     Implementation,
+    KVLayout,
     attend,
     check_block_sizes,
     check_implementation,
@@ -64,7 +65,7 @@ class MultiHeadedAttention(nnx.Module):
 
     As in the document, the four projections are ``clones`` of one ``Linear``: they start equal.
     ``torch_reference/annotated.py`` is the document's code; its ``forward`` and ``attention``
-    map to ``__call__`` here:
+    map to ``__call__`` here (its checks and ``project_kv``, then ``_forward``, the rest):
 
     ===================================================  ========================================
     document (``torch_reference/annotated.py``)           here
@@ -150,18 +151,23 @@ class MultiHeadedAttention(nnx.Module):
         )
 
     def __call__(self, query, key=None, value=None, mask=None, *, kv: ProjectedKV | None = None):
-        d_model = self.num_heads * self.k_dim
         if kv is None:
-            check_annotated_inputs(query, key, value, mask, d_model)
+            check_annotated_inputs(query, key, value, mask, self.num_heads * self.k_dim)
+            kv = self.project_kv(key, value)  # 1) W^K, W^V
         else:
             _check_kv_call(key, value, kv)
             check_projected_inputs(query, kv, mask, self.num_heads, self.k_dim)
+        return self._forward(query, kv, mask)
+
+    def _forward(self, query, kv: ProjectedKV, mask, kv_layout: KVLayout = "shd"):
+        """``__call__`` on checked inputs, the keys and values projected: what a decoder layer
+        calls with its decode cache, heads first (``kv_layout="hsd"``: ``(b, h, k_len, d)``
+        each, read as they are stored; ``flax_attention.cache``)."""
+        d_model = self.num_heads * self.k_dim
         if mask is not None:
             mask = jnp.asarray(mask)[:, None]  # (b or 1, 1, t or 1, s)
 
-        # 1) Apply W^Q, W^K, W^V; (b, seq_len, d_model) -> (b, seq_len, h, d)
-        if kv is None:
-            kv = self.project_kv(key, value)
+        # 1) Apply W^Q (W^K, W^V: project_kv); (b, seq_len, d_model) -> (b, seq_len, h, d)
         query = self._split_heads(self.proj_weights[0], query)
 
         # 2) Attention and the weights, (b, t, h, d) and (b, h, t, s)
@@ -180,6 +186,7 @@ class MultiHeadedAttention(nnx.Module):
             implementation=self.implementation,
             need_weights=self.keep_attention_score,
             block_sizes=self.block_sizes,
+            kv_layout=kv_layout,
         )
         if self.keep_attention_score:
             out, attention_score = out
