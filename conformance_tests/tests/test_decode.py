@@ -1,6 +1,7 @@
 """The decode cache: prefill + decode steps equal the full causal pass, for every cached layer and
 implementation, under jit, without retracing; overflow and a missing cache fail loudly; the
-generation loop; ``MultiHeadedAttention``'s projected memory.
+generation loop; ``MultiHeadedAttention``'s projected memory; the encoder-decoder's decoder on the
+same cache (its overflow guard included).
 
 Flax's own ``MultiHeadAttention`` attends only to position 0 when decoding with a causal mask
 (flax issue 5591) and Linen's cache takes one token per call (flax issue 1317): here a chunk of
@@ -19,6 +20,7 @@ import pytest
 from flax import nnx
 
 import flax_attention as fa
+from flax_attention.models import annotated
 
 #: The cached layers at small sizes: (class, positional args), d_in = 8, context_length 16.
 LAYERS = {
@@ -338,3 +340,85 @@ def test_multiheaded_attention_projects_the_memory_once():
         layer(query, memory, memory, mask, kv=kv)
     with pytest.raises(ValueError, match=r"kv.keys.shape"):
         layer(query[:1], mask=mask[:1], kv=kv)
+
+
+# ---- the encoder-decoder's decoder (flax_attention.models.annotated) on the same cache ------
+
+
+def _encoder_decoder():
+    """The post's model, small (vocabularies 11, N 2, d_model 8, 2 heads of 4), in eval mode,
+    with a padded batch of two sources and its source mask."""
+    model = annotated.make_model(11, 11, N=2, d_model=8, d_ff=16, h=2, rngs=nnx.Rngs(0))
+    model.eval()
+    src = np.array([[1, 5, 7, 2, 9], [1, 3, 4, 0, 0]])
+    return model, src, src[:, None, :] != 0
+
+
+def test_the_encoder_decoders_decode_cache_is_the_causal_layers_cache():
+    """``init_cache`` gives every decoder layer ``flax_attention.cache``'s three variables
+    (``new_cache``: keys and values ``(b, h, max_length, d)`` heads first, an int32 index) and
+    nothing else of its own; the model answers through its own methods, ``clear_cache`` drops
+    them, and ``greedy_decode`` leaves none behind."""
+    model, src, mask = _encoder_decoder()
+    model.init_cache(2, max_length=6)
+    layers = list(model.decoder.layers)
+    assert all(isinstance(layer, fa.cache.Decoder) for layer in layers)
+    paths = {".".join(map(str, p)) for p, _ in nnx.to_flat_state(nnx.state(model, nnx.Cache))}
+    assert paths == {
+        f"decoder.layers.{i}.{name}"
+        for i in range(2)
+        for name in ("cached_key", "cached_value", "cache_index")
+    }
+    for layer in layers:
+        assert layer.cached_key.shape == layer.cached_value.shape == (2, 2, 6, 4)
+        assert layer.cache_index.dtype == jnp.int32 and layer.cache_capacity() == 6
+    assert (model.decoder.cache_capacity(), int(model.decoder.cached_length())) == (6, 0)
+    kv_memory = model.project_memory(model.encode(src, mask))
+    model.decode_cached(kv_memory, mask, jnp.array([[1, 4], [1, 6]]))
+    assert [int(layer.cached_length()) for layer in layers] == [2, 2]
+    model.clear_cache()
+    assert all(layer.cached_key is None and layer.cache_capacity() is None for layer in layers)
+    annotated.greedy_decode(model, src, mask, 4, 1)
+    assert not jax.tree.leaves(nnx.state(model, nnx.Cache)), "greedy_decode left a cache behind"
+
+
+def test_the_encoder_decoders_cached_chunks_equal_its_full_decode():
+    """Target tokens through the caches in chunks (1, 3, then 2 tokens) give the rows of the
+    post's ``decode`` over the whole target with ``subsequent_mask``."""
+    model, src, mask = _encoder_decoder()
+    tgt = jnp.array([[1, 4, 6, 8, 2, 3], [1, 9, 9, 5, 7, 10]])
+    with jax.default_matmul_precision("highest"):
+        memory = model.encode(src, mask)
+        full = model.decode(memory, mask, tgt, annotated.subsequent_mask(6))  # (2, 6, 8)
+        model.init_cache(2, max_length=6)
+        kv_memory = model.project_memory(memory)
+        chunks = [
+            model.decode_cached(kv_memory, mask, tgt[:, a:b]) for a, b in ((0, 1), (1, 4), (4, 6))
+        ]
+    diff = _max_diff(jnp.concatenate(chunks, axis=1), full)
+    assert diff <= DECODE_ATOL, f"cached chunks vs the full decode {diff:.2e}"
+
+
+def test_the_encoder_decoders_cache_refuses_an_overflow():
+    """As the causal layers' cache: outside jit a step past ``max_length`` is a ``ValueError``
+    naming the numbers and leaves the caches as they were; inside jit (the index unknown) the
+    step gives NaN, the caches untouched, and a step that still fits is finite."""
+    model, src, mask = _encoder_decoder()
+    model.init_cache(2, max_length=3)
+    kv_memory = model.project_memory(model.encode(src, mask))
+    model.decode_cached(kv_memory, mask, jnp.array([[1, 4], [1, 6]]))
+    layer = model.decoder.layers[0]
+    before = np.asarray(layer.cached_key[...])
+    message = r"^cache_index \+ num_tokens \(2 \+ 2\) must not exceed the cache's max_length \(3\)"
+    with pytest.raises(ValueError, match=message):
+        model.decode_cached(kv_memory, mask, jnp.array([[5, 5], [7, 7]]))
+    np.testing.assert_array_equal(np.asarray(layer.cached_key[...]), before)
+    assert int(model.decoder.cached_length()) == 2
+
+    step = nnx.jit(lambda model, kv, mask, tgt: model.decode_cached(kv, mask, tgt))
+    bad = step(model, kv_memory, mask, jnp.array([[5, 5], [7, 7]]))  # 2 + 2 > 3
+    assert bool(jnp.isnan(bad).all()), "an overflowing step must not return numbers"
+    np.testing.assert_array_equal(np.asarray(layer.cached_key[...]), before)
+    assert [int(layer.cached_length()) for layer in model.decoder.layers] == [2, 2]
+    last = step(model, kv_memory, mask, jnp.array([[5], [7]]))  # 2 + 1 == 3: fits exactly
+    assert bool(jnp.isfinite(last).all()) and int(model.decoder.cached_length()) == 3

@@ -68,7 +68,14 @@ from flax_attention._checks import (
 )
 from flax_attention._init import Dropout, Embed, linear_factory
 from flax_attention.annotated import MultiHeadedAttention, ProjectedKV
-from flax_attention.cache import decode_step, split_for_decode
+from flax_attention.cache import (
+    CachedLayer,
+    append,
+    decode_step,
+    install_cache,
+    poison_unless,
+    split_for_decode,
+)
 from flax_attention.core import Implementation
 from flax_attention.layouts import Names, encoder_decoder_names, register
 from flax_attention.mesh import (
@@ -216,8 +223,8 @@ class PositionalEncoding(nnx.Module):
         return self.dropout(x + self.pe[:, : x.shape[1]].astype(x.dtype))  # (b, t, d)
 
     def at(self, x, position):
-        """``x`` ``(b, 1, d)`` at one ``position`` (a traced int): a decode step."""
-        pe = jax.lax.dynamic_slice_in_dim(self.pe[...], position, 1, axis=1)  # (1, 1, d)
+        """``x`` ``(b, n, d)``, ``n`` tokens from ``position`` on (a traced int): a decode step."""
+        pe = jax.lax.dynamic_slice_in_dim(self.pe[...], position, x.shape[1], axis=1)  # (1, n, d)
         return self.dropout(x + pe.astype(x.dtype))
 
 
@@ -247,14 +254,32 @@ class EncoderLayer(nnx.Module):
         return self.sublayer[1](x, self.feed_forward)
 
 
-class DecoderLayer(nnx.Module):
+class DecoderLayer(CachedLayer, nnx.Module):
     """``self_attn``, ``src_attn`` (on the encoder's ``memory``), ``feed_forward``.
 
-    ``greedy_decode`` gives it a decode cache (``init_cache``): ``self_keys``, ``self_values``
-    ``(b, max_len, h, d)``, the self-attention's projected keys and values of every step so far
-    (``None`` outside a decode)."""
+    A decoder with the package's decode cache (``flax_attention.cache``, its ``Decoder``
+    protocol): ``init_cache`` fills ``cached_key`` and ``cached_value`` ``(b, h, max_length,
+    d)``, the self-attention's projected keys and values of every token so far, heads first,
+    and ``cache_index`` (``None`` outside a decode), as the causal layers keep theirs;
+    ``step`` appends to them through ``flax_attention.cache.append``, so a step past
+    ``max_length`` raises ``ValueError`` outside jit and gives NaN inside. ``context_length``
+    (keyword-only, not the post's) is the longest cache: ``make_model`` passes the positional
+    table's ``max_len``. The model asks it through ``init_cache``, ``clear_cache``,
+    ``cached_length``, ``cache_capacity``, ``project_memory`` and ``step``."""
 
-    def __init__(self, size: int, self_attn, src_attn, feed_forward, dropout, *, norm, rngs):
+    def __init__(
+        self,
+        size: int,
+        self_attn,
+        src_attn,
+        feed_forward,
+        dropout,
+        *,
+        norm,
+        rngs,
+        context_length: int = 5000,
+    ):
+        check_positive_int("context_length", context_length)
         self.size = size
         self.self_attn = self_attn
         self.src_attn = src_attn
@@ -262,8 +287,10 @@ class DecoderLayer(nnx.Module):
         self.sublayer = nnx.List(
             [SublayerConnection(size, dropout, **norm, rngs=rngs) for _ in range(3)]
         )
-        self.self_keys: nnx.Cache | None = nnx.data(None)
-        self.self_values: nnx.Cache | None = nnx.data(None)
+        self.context_length = context_length
+        self.cached_key: nnx.Cache | None = nnx.data(None)
+        self.cached_value: nnx.Cache | None = nnx.data(None)
+        self.cache_index: nnx.Cache | None = nnx.data(None)
 
     def __call__(self, x, memory, src_mask, tgt_mask):
         m = memory
@@ -271,24 +298,49 @@ class DecoderLayer(nnx.Module):
         x = self.sublayer[1](x, lambda x: self.src_attn(x, m, m, src_mask))
         return self.sublayer[2](x, self.feed_forward)
 
-    def init_cache(self, like, max_len: int) -> None:
-        """An empty decode cache of ``max_len`` steps, laid out as ``like`` ``(b, 1, h, d)`` (a
-        projection's zeros: on a mesh, the batch over data and the heads over model)."""
-        empty = jnp.broadcast_to(like, (like.shape[0], max_len, *like.shape[2:]))
-        self.self_keys, self.self_values = nnx.Cache(empty), nnx.Cache(empty)
+    @property
+    def cache_dtype(self):
+        """The decode cache's default dtype: the self-attention's computation dtype."""
+        w_key = self.self_attn.proj_weights[1]
+        return w_key.dtype or w_key.param_dtype
 
-    def step(self, x, position, kv_memory: ProjectedKV, src_mask):
-        """One decode step, ``x`` ``(b, 1, d)`` at ``position`` (a traced int): its keys and
-        values written into the cache at ``position``, the self-attention reading the cache's
-        steps up to it and the source attention ``kv_memory`` (the memory, projected once)."""
+    def init_cache(self, batch_size, max_length: int | None = None, dtype=None) -> None:
+        """An empty decode cache for ``batch_size`` sequences of ``max_length`` tokens (default
+        ``context_length``; ``flax_attention.cache.new_cache``, heads and head size the
+        self-attention's); on a sharded layer it is placed on the parameters' mesh at once."""
+        install_cache(
+            self,
+            batch_size,
+            max_length,
+            dtype,
+            heads=self.self_attn.num_heads,
+            head_dim=self.self_attn.k_dim,
+        )
+
+    def project_memory(self, memory) -> ProjectedKV:
+        """The source attention's keys and values of ``memory`` ``(b, s, d)``, ``(b, s, h, d)``
+        each: projected once, for every ``step``."""
+        return self.src_attn.project_kv(memory, memory)
+
+    def step(self, x, kv_memory: ProjectedKV, src_mask):
+        """``x`` ``(b, n, d)``, the next ``n`` target tokens: their keys and values appended to
+        the cache at ``cache_index``, the self-attention reading the cache up to each token's
+        own position (the post's ``subsequent_mask``), the source attention ``kv_memory``
+        (``project_memory``). An overflow: ``ValueError`` outside jit, NaN inside."""
         norm_x = self.sublayer[0].norm(x)
-        new = self.self_attn.project_kv(norm_x, norm_x)  # (b, 1, h, d) each
-        keys = jax.lax.dynamic_update_slice_in_dim(self.self_keys[...], new.keys, position, 1)
-        values = jax.lax.dynamic_update_slice_in_dim(self.self_values[...], new.values, position, 1)
-        self.self_keys[...], self.self_values[...] = keys, values  # (b, max_len, h, d)
+        new = self.self_attn.project_kv(norm_x, norm_x)  # (b, n, h, d) each
+        cache = (self.cached_key, self.cached_value, self.cache_index)
+        keys, values, offset, fits = append(*cache, new.keys, new.values)  # (b, h, max_len, d)
+        slots = jnp.arange(keys.shape[-2])  # (max_len,)
+        positions = offset + jnp.arange(x.shape[1])  # (n,) the new tokens'
+        self_mask = (slots[None, :] <= positions[:, None])[None]  # (1, n, max_len)
         kv_self = ProjectedKV(keys, values)
-        self_mask = (jnp.arange(keys.shape[1]) <= position)[None, None, :]  # (1, 1, max_len)
-        x = self.sublayer[0](x, lambda x: self.self_attn(x, mask=self_mask, kv=kv_self))
+
+        def self_attention(x):
+            out = self.self_attn._forward(x, kv_self, self_mask, kv_layout="hsd")
+            return poison_unless(fits, out)  # (b, n, d)
+
+        x = self.sublayer[0](x, self_attention)
         x = self.sublayer[1](x, lambda x: self.src_attn(x, mask=src_mask, kv=kv_memory))
         return self.sublayer[2](x, self.feed_forward)
 
@@ -307,7 +359,8 @@ class Encoder(nnx.Module):
 
 
 class Decoder(nnx.Module):
-    """``N`` layers, then ``norm``."""
+    """``N`` layers, then ``norm``; with decode caches (``init_cache``), ``step`` runs new
+    tokens through every layer's cache."""
 
     def __init__(self, layers: list, size: int, *, norm):
         self.layers = nnx.List(layers)
@@ -318,10 +371,45 @@ class Decoder(nnx.Module):
             x = layer(x, memory, src_mask, tgt_mask)
         return self.norm(x)
 
+    def init_cache(self, batch_size, max_length: int | None = None, dtype=None) -> None:
+        """An empty decode cache in every layer (``DecoderLayer.init_cache``)."""
+        for layer in self.layers:
+            layer.init_cache(batch_size, max_length, dtype)
+
+    def clear_cache(self) -> None:
+        """Drop every layer's decode cache."""
+        for layer in self.layers:
+            layer.clear_cache()
+
+    def cached_length(self) -> jax.Array:
+        """Tokens in the decode caches, the next one's position (int32; traced inside jit)."""
+        return self.layers[0].cached_length()
+
+    def cache_capacity(self) -> int | None:
+        """The decode caches' ``max_length``; ``None`` without caches."""
+        return self.layers[0].cache_capacity()
+
+    def project_memory(self, memory) -> list[ProjectedKV]:
+        """Each layer's source-attention keys and values of ``memory``, projected once."""
+        return [layer.project_memory(memory) for layer in self.layers]
+
+    def step(self, x, kv_memory: list[ProjectedKV], src_mask):
+        """``x`` ``(b, n, d)`` through every layer's ``step`` (``kv_memory``: one
+        ``project_memory`` per layer), then ``norm``."""
+        for layer, kv in zip(self.layers, kv_memory, strict=True):
+            x = layer.step(x, kv, src_mask)
+        return self.norm(x)
+
 
 class EncoderDecoder(nnx.Module):
     """The post's ``EncoderDecoder``: ``model(src, tgt, src_mask, tgt_mask)`` is the decoder's
-    output ``(b, t, d)`` (log-probabilities: ``model.generator`` of it)."""
+    output ``(b, t, d)`` (log-probabilities: ``model.generator`` of it).
+
+    Decoding with the decoder layers' caches (``flax_attention.cache``'s, as the causal layers
+    keep): ``init_cache(batch_size, max_length)``, ``memory = encode(src, src_mask)``,
+    ``kv_memory = project_memory(memory)`` once, then ``decode_cached(kv_memory, src_mask,
+    tgt)`` for each chunk of new target tokens; ``clear_cache()`` after. ``greedy_decode``
+    runs exactly that in one jit."""
 
     def __init__(self, encoder, decoder, src_embed, tgt_embed, generator):
         self.encoder = encoder
@@ -348,6 +436,31 @@ class EncoderDecoder(nnx.Module):
         tgt_mask = _check_post_mask("tgt_mask", tgt_mask, np.shape(tgt)[0], tokens, tokens)
         return self.decoder(_embed(self.tgt_embed, "tgt", tgt), memory, src_mask, tgt_mask)
 
+    # ---- decoding ------------------------------------------------------------------------------
+
+    def init_cache(self, batch_size, max_length: int | None = None, dtype=None) -> None:
+        """An empty decode cache of ``max_length`` tokens (default: the positional table's
+        ``max_len``) in every decoder layer (``DecoderLayer.init_cache``)."""
+        self.decoder.init_cache(batch_size, max_length, dtype)
+
+    def clear_cache(self) -> None:
+        """Drop the decode caches (back to the state of a new model)."""
+        self.decoder.clear_cache()
+
+    def project_memory(self, memory) -> list[ProjectedKV]:
+        """The encoder's ``memory`` ``(b, s, d)`` through every source attention's keys and
+        values, once for a whole decode (``decode_cached``)."""
+        return self.decoder.project_memory(memory)
+
+    def decode_cached(self, kv_memory: list[ProjectedKV], src_mask, tgt):
+        """``decode`` of the next target tokens ``tgt`` ``(b, n)`` continuing the sequence in
+        the decode caches (``init_cache`` first; their positions count from the caches'
+        length), on the memory as ``project_memory`` gave it -> ``(b, n, d)``."""
+        _check_ids(self.tgt_embed, "tgt", tgt)
+        x = self.tgt_embed[0](tgt)  # (b, n, d)
+        x = self.tgt_embed[1].at(x, self.decoder.cached_length())
+        return self.decoder.step(x, kv_memory, src_mask)
+
     def model_axis_sizes(self) -> dict[str, int]:
         """Nothing of the model itself splits over ``model`` (its layers say what they split)."""
         return {}
@@ -362,6 +475,13 @@ def _ndim(x) -> int:
 
 def _embed(embed, name: str, ids):
     """``ids`` ``(b, t)`` integers below the embedding's vocabulary, through ``embed``."""
+    _check_ids(embed, name, ids)
+    return embed[1](embed[0](ids))
+
+
+def _check_ids(embed, name: str, ids) -> None:
+    """``ids`` ``(b, t)``: integers, no more than ``embed``'s positional table holds, and (when
+    concrete) below its vocabulary."""
     if _ndim(ids) != 2:
         raise ValueError(f"{name}.ndim ({_ndim(ids)}, shape {np.shape(ids)}) must be 2 (b, tokens)")
     if not jnp.issubdtype(jnp.asarray(ids).dtype, jnp.integer):
@@ -379,7 +499,6 @@ def _embed(embed, name: str, ids):
             raise ValueError(
                 f"{name} (ids {low}..{high}) must lie in 0..{vocab - 1} (vocab {vocab})"
             )
-    return embed[1](embed[0](ids))
 
 
 def _check_post_mask(name: str, mask, batch: int, queries: int | None, keys: int):
@@ -455,7 +574,7 @@ def make_model(
 
     layer = functools.partial(EncoderLayer, norm=norm, rngs=rngs)
     encoder = Encoder([layer(d_model, attn(), ff(), dropout) for _ in range(N)], d_model, norm=norm)
-    layer = functools.partial(DecoderLayer, norm=norm, rngs=rngs)
+    layer = functools.partial(DecoderLayer, norm=norm, rngs=rngs, context_length=max_len)
     decoder = Decoder(
         [layer(d_model, attn(), attn(), ff(), dropout) for _ in range(N)], d_model, norm=norm
     )
@@ -620,8 +739,9 @@ def greedy_decode(model: EncoderDecoder, src, src_mask, max_len: int, start_symb
     then ``max_len - 1`` greedy tokens per row, each row the post's loop on that source alone.
 
     In one jit: the encoder once, each source attention's keys and values projected once, and
-    each decoder self-attention reading a cache of the steps so far (its keys and values
-    written one token per step), instead of the post's whole decoder run again per token."""
+    each decoder self-attention reading a cache of the steps so far (``init_cache`` of
+    ``max_len`` tokens, dropped afterwards; its keys and values written one token per step),
+    instead of the post's whole decoder run again per token."""
     check_instance("model", model, EncoderDecoder, "an EncoderDecoder")
     check_int("max_len", max_len, 1, why="the start symbol included")
     table = model.tgt_embed[1].pe.shape[1]
@@ -644,11 +764,16 @@ def greedy_decode(model: EncoderDecoder, src, src_mask, max_len: int, start_symb
 
 @in_eval_mode
 def _decode_in_eval_mode(model, src, src_mask, max_len: int, start_symbol: int):
-    """``_greedy_decode`` on ``model`` in eval mode (its dropout modes put back after)."""
-    graphdef, weights, state = split_for_decode(model, _CONSTANT)
-    return _greedy_decode(
-        graphdef, weights, state, src, src_mask, max_len=max_len, start_symbol=start_symbol
-    )
+    """``_greedy_decode`` on ``model`` in eval mode (its dropout modes put back after), with
+    decode caches of ``max_len`` tokens, dropped afterwards."""
+    model.init_cache(src.shape[0], max_len)
+    try:
+        graphdef, weights, state = split_for_decode(model, _CONSTANT)
+        return _greedy_decode(
+            graphdef, weights, state, src, src_mask, max_len=max_len, start_symbol=start_symbol
+        )
+    finally:
+        model.clear_cache()
 
 
 #: What ``greedy_decode``'s loop holds constant: everything but the decode caches.
@@ -657,14 +782,12 @@ _CONSTANT = nnx.Not(nnx.Cache)
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_len", "start_symbol"))
 def _greedy_decode(graphdef, weights, state, src, src_mask, *, max_len, start_symbol):
-    """The encoder once, each source attention's keys and values projected once, the decoder
-    layers given caches laid out as those projections; then ``max_len - 1`` ``decode_step``s."""
+    """The encoder once, each source attention's keys and values projected once
+    (``project_memory``); then ``max_len - 1`` ``decode_step``s, one token each through the
+    decoder layers' caches (``state``: empty caches of ``max_len`` tokens)."""
     model = nnx.merge(graphdef, weights, state)
     memory = model.encode(src, src_mask)  # (b, s, d)
-    kv_memory = [layer.src_attn.project_kv(memory, memory) for layer in model.decoder.layers]
-    for layer, kv in zip(model.decoder.layers, kv_memory):
-        layer.init_cache(jnp.zeros_like(kv.keys[:, :1]), max_len)  # (b, max_len, h, d)
-    graphdef, weights, state = nnx.split(model, _CONSTANT, ...)
+    kv_memory = model.project_memory(memory)  # per decoder layer: (b, s, h, d) twice
     step = functools.partial(
         decode_step, graphdef, weights, head=_log_probs, weights_filter=_CONSTANT
     )
@@ -673,21 +796,18 @@ def _greedy_decode(graphdef, weights, state, src, src_mask, *, max_len, start_sy
 
     def body(i, carry):
         state, ys = carry
-        word = jax.lax.dynamic_slice_in_dim(ys, i, 1, axis=1)  # (b, 1)
-        state, prob = step(state, _decode_token, word, i, kv_memory, src_mask)  # (b, V)
+        word = jax.lax.dynamic_slice_in_dim(ys, i, 1, axis=1)  # (b, 1), at position i
+        state, prob = step(state, _decode_cached, kv_memory, src_mask, word)  # (b, V)
         next_word = jnp.argmax(prob, axis=-1).astype(jnp.int32)  # (b,)
         return state, jax.lax.dynamic_update_slice_in_dim(ys, next_word[:, None], i + 1, axis=1)
 
     return jax.lax.fori_loop(0, max_len - 1, body, (state, ys))[1]
 
 
-def _decode_token(model, word, position, kv_memory, src_mask):
-    """``greedy_decode``'s forward: ``word`` ``(b, 1)`` at ``position`` through the embedding
-    and every decoder layer's ``step`` -> the decoder's norm ``(b, 1, d)``."""
-    x = model.tgt_embed[1].at(model.tgt_embed[0](word), position)  # (b, 1, d)
-    for layer, kv in zip(model.decoder.layers, kv_memory):
-        x = layer.step(x, position, kv, src_mask)
-    return model.decoder.norm(x)
+def _decode_cached(model, kv_memory, src_mask, word):
+    """``greedy_decode``'s forward: ``word`` ``(b, 1)`` through the decoder's caches ->
+    ``(b, 1, d)``."""
+    return model.decode_cached(kv_memory, src_mask, word)
 
 
 def _log_probs(model, x):
