@@ -503,7 +503,9 @@ def _annotated_forward(model, src, tgt, src_mask, tgt_mask):
 def test_the_annotated_model_on_a_mesh_equals_one_device(kind):
     """The post's encoder-decoder (8 heads, d_ff 64: both divide every model axis) on 2x4: each
     attention's projections and the feed-forward's hidden features over ``model``; the decoder
-    output of a padded batch, and batched greedy decoding, equal one device."""
+    output of a padded batch, and batched greedy decoding, equal one device. The decoder's
+    caches split the batch over ``data``, as every decode cache: a batch it does not divide is
+    refused at ``greedy_decode``'s door, by name."""
     if "annotated" not in _GPT_REFERENCES:
         # N=1: one encoder and one decoder layer hold every kind of attention (self, masked
         # self, source) and the feed-forward; a second of each would only repeat them.
@@ -532,6 +534,9 @@ def test_the_annotated_model_on_a_mesh_equals_one_device(kind):
     worst = assert_close({"out": out}, {"out": got}, f"annotated model on 2x4 ({kind})")
     print(f"annotated model 2x4 ({kind}): decoder output max abs diff {worst:.2e}")
     np.testing.assert_array_equal(np.asarray(decoded), ids)
+    message = r"^src batch \(3\) must be divisible by the mesh's data axis \(2\)"
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match=message):
+        annotated.greedy_decode(sharded, batch.src[:3], batch.src_mask[:3], 9, 1)
 
 
 @pytest.mark.parametrize("kind", AXIS_TYPES)

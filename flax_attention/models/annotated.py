@@ -79,9 +79,12 @@ from flax_attention.cache import (
 from flax_attention.core import Implementation
 from flax_attention.layouts import Names, encoder_decoder_names, register
 from flax_attention.mesh import (
+    DATA,
     FROM_HEADS,
     TO_HEADS,
     LinearAxes,
+    mesh_axis_size,
+    parameters_mesh,
 )
 from flax_attention.models._modes import in_eval_mode
 from flax_attention.weights import CheckedBuffer
@@ -759,6 +762,13 @@ def greedy_decode(model: EncoderDecoder, src, src_mask, max_len: int, start_symb
     _check_post_mask(
         "src_mask", src_mask, src.shape[0], None, src.shape[1] if _ndim(src) == 2 else 0
     )
+    mesh = parameters_mesh(model)
+    if mesh is not None and src.shape[0] % mesh_axis_size(mesh, DATA):
+        raise ValueError(
+            f"src batch ({src.shape[0]}) must be divisible by the mesh's data axis "
+            f"({mesh_axis_size(mesh, DATA)}): the model is sharded, and its decoder's caches "
+            "split the batch over data"
+        )
     return _decode_in_eval_mode(model, src, jnp.asarray(src_mask), max_len, start_symbol)
 
 
