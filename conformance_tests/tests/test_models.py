@@ -601,6 +601,39 @@ def test_a_block_in_train_mode_with_its_branches_zeroed_is_the_identity(weights)
     np.testing.assert_array_equal(block(x), x)
 
 
+def test_the_model_asks_its_blocks_for_their_caches_through_the_blocks_methods(
+    weights, monkeypatch
+):
+    """``GPTModel`` reaches its decode caches through each ``TransformerBlock``'s own methods
+    (``init_cache``, ``clear_cache``, ``cached_length``, ``cache_capacity``), never through the
+    block's attention: each is called on the block, and the block answers for its attention's
+    cache. A cached decode of a left-padded batch still equals the full pass."""
+    model = _flax(weights)
+    calls = []
+    for name in ("init_cache", "clear_cache", "cached_length", "cache_capacity"):
+        method = getattr(models.TransformerBlock, name)
+
+        def spy(block, *args, _method=method, _name=name):
+            calls.append(_name)
+            return _method(block, *args)
+
+        monkeypatch.setattr(models.TransformerBlock, name, spy)
+    ids = jnp.asarray(np.random.default_rng(5).integers(0, CFG["vocab_size"], (BATCH, 6)))
+    mask = jnp.ones((BATCH, 6), jnp.int32).at[1, :2].set(0)  # row 1: two tokens of padding
+    full = model(ids, attention_mask=mask)  # (b, 6, V)
+    model.init_cache(BATCH, 6)
+    assert [block.cache_capacity() for block in model.trf_blocks] == [6, 6]
+    prefill = model(ids[:, :4], decode=True, attention_mask=mask)
+    last = model(ids[:, 4:], decode=True, attention_mask=mask)
+    assert [int(block.cached_length()) for block in model.trf_blocks] == [6, 6]
+    error = _error(jnp.concatenate([prefill, last], axis=1)[:, 2:], full[:, 2:])  # the tokens
+    assert error <= TOL, f"cached decode vs the full pass: {error:.2e}"
+    model.clear_cache()
+    assert all(block.att.cached_key is None for block in model.trf_blocks)
+    assert {"init_cache", "clear_cache", "cached_length", "cache_capacity"} <= set(calls)
+    assert calls.count("init_cache") == calls.count("clear_cache") == CFG["n_layers"]
+
+
 def test_dropout_trains_with_a_finite_loss_other_than_eval_mode(weights, batches):
     model = _flax(weights, {**CFG, "drop_rate": 0.1})
     optimizer = nnx.Optimizer(model, ADAMW, wrt=nnx.Param)

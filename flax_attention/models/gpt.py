@@ -224,7 +224,10 @@ class FeedForward(nnx.Module):
 
 class TransformerBlock(nnx.Module):
     """The book's ``TransformerBlock``: ``x + drop_resid(att(norm1(x)))``, then
-    ``x + drop_resid(ff(norm2(x)))``."""
+    ``x + drop_resid(ff(norm2(x)))``.
+
+    Its decode cache is its attention's (``flax_attention.cache``); the model asks the block
+    through ``init_cache``, ``clear_cache``, ``cached_length`` and ``cache_capacity``."""
 
     def __init__(
         self,
@@ -256,6 +259,22 @@ class TransformerBlock(nnx.Module):
         self.norm1 = LayerNorm(cfg["emb_dim"], dtype=dtype, param_dtype=param_dtype)
         self.norm2 = LayerNorm(cfg["emb_dim"], dtype=dtype, param_dtype=param_dtype)
         self.drop_resid = Dropout(cfg["drop_rate"], rngs=rngs)
+
+    def init_cache(self, batch_size, max_length: int | None = None, dtype=None) -> None:
+        """An empty decode cache in the attention (``MultiHeadAttention.init_cache``)."""
+        self.att.init_cache(batch_size, max_length, dtype)
+
+    def clear_cache(self) -> None:
+        """Drop the attention's decode cache."""
+        self.att.clear_cache()
+
+    def cached_length(self) -> jax.Array:
+        """Tokens in the decode cache, the next one's position (int32; traced inside jit)."""
+        return self.att.cached_length()
+
+    def cache_capacity(self) -> int | None:
+        """The decode cache's ``max_length``; ``None`` without a cache."""
+        return self.att.cache_capacity()
 
     def __call__(self, x, *, decode: bool = False, mask=None):
         shortcut = x
@@ -336,14 +355,14 @@ class GPTModel(nnx.Module):
 
     def init_cache(self, batch_size: int, max_length: int | None = None, dtype=None) -> None:
         """An empty decode cache of ``max_length`` tokens (default ``context_length``) in every
-        attention layer (``MultiHeadAttention.init_cache``)."""
+        block (``TransformerBlock.init_cache``: its attention's)."""
         for block in self.trf_blocks:
-            block.att.init_cache(batch_size, max_length, dtype)
+            block.init_cache(batch_size, max_length, dtype)
 
     def clear_cache(self) -> None:
         """Drop the decode caches (back to the state of a new model)."""
         for block in self.trf_blocks:
-            block.att.clear_cache()
+            block.clear_cache()
 
     # ---- the forward pass ------------------------------------------------------------------------
 
@@ -358,7 +377,7 @@ class GPTModel(nnx.Module):
             in_idx, attention_mask, self.cfg["vocab_size"], self.cfg["context_length"]
         )
         seq_len = in_idx.shape[-1]
-        offset = self.trf_blocks[0].att.cached_length() if decode else 0
+        offset = self.trf_blocks[0].cached_length() if decode else 0
         if attention_mask is None:
             positions = (offset + jnp.arange(seq_len))[None]  # (1, t)
             key_mask = None
@@ -375,7 +394,7 @@ class GPTModel(nnx.Module):
         """Positions ``(b, t)`` counted from each row's first token (transformers'
         ``cumsum(mask) - 1``, padding at 0) and the key mask ``(b, 1, 1, s)``."""
         batch, seq_len = in_idx.shape
-        slots = self.trf_blocks[0].att.cache_capacity() if decode else seq_len
+        slots = self.trf_blocks[0].cache_capacity() if decode else seq_len
         if attention_mask.shape != (batch, slots):
             where = "the cache's max_length" if decode else "in_idx's tokens"
             raise ValueError(
