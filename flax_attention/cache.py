@@ -1,6 +1,8 @@
-"""The decode cache of the causal layers, and a jitted generation loop over it.
+"""The package's one decode cache, and a jitted generation loop over it.
 
-A layer with a cache keeps, as ``nnx.Cache`` variables (state, not parameters):
+The causal layers and the Annotated Transformer's ``DecoderLayer`` (its self-attention's keys and
+values; ``flax_attention.models.annotated``) decode on it. A layer with a cache keeps, as
+``nnx.Cache`` variables (state, not parameters):
 
 - ``cached_key``, ``cached_value``: ``(..., h, max_length, d)``, heads first, the projected keys
   and values of every token seen so far (``h = 1``, ``d = d_out`` for the single-head
@@ -8,11 +10,14 @@ A layer with a cache keeps, as ``nnx.Cache`` variables (state, not parameters):
 - ``cache_index``: int32 scalar, how many tokens the cache holds (the position of the next one).
 
 The layer declares all three in ``__init__`` as ``None`` and ``init_cache`` fills them from
-``new_cache``; ``__call__(x, decode=True)`` passes them to ``append``. What this module reads of
+``new_cache``; ``__call__(x, decode=True)`` (the ``DecoderLayer``'s ``step``) passes them to
+``append``. What this module reads of
 a layer is the ``Decoder`` protocol below: those variables, ``context_length`` (the longest
 cache) and ``cache_dtype`` (the cache's default dtype); it knows no layer class. What a model
 reads of its layers' caches goes through the layers' own methods: ``clear_cache()``,
-``cached_length()`` (the next token's position) and ``cache_capacity()`` (``max_length``).
+``cached_length()`` (the next token's position) and ``cache_capacity()`` (``max_length``), and
+a model's blocks answer for their attention's the same way (``TransformerBlock``, the
+encoder-decoder's ``Decoder``): a model never reads a layer's attributes for its cache.
 
 Every decode loop of the package (``generate`` here, ``flax_attention.models.generate``, the
 Annotated Transformer's ``greedy_decode``) and the benchmarks' loops run one step the same way,
@@ -76,8 +81,9 @@ class Decoder(Protocol):
     ``context_length`` (the longest cache), ``cache_dtype`` (the cache's default dtype: the
     layer's computation dtype), ``init_cache``, and the methods a model asks its layers through
     (``clear_cache``, ``cached_length``, ``cache_capacity``; ``clear_cache``, ``cached_length``
-    and ``cache_capacity`` below are their bodies). ``CausalAttention`` and
-    ``MultiHeadAttention`` are decoders; the wrapper holds one per head."""
+    and ``cache_capacity`` below are their bodies). ``CausalAttention``,
+    ``MultiHeadAttention`` and the encoder-decoder's ``DecoderLayer`` are decoders; the wrapper
+    holds one per head."""
 
     cached_key: nnx.Cache | None
     cached_value: nnx.Cache | None
@@ -97,9 +103,11 @@ class Decoder(Protocol):
 
 
 class CachedLayer:
-    """The decode-cache methods of a causal layer (``CausalAttention``, ``MultiHeadAttention``),
-    written once: the layer keeps the three variables and ``W_query``, and its own
-    ``init_cache`` (which knows its heads); a model asks its layers through these."""
+    """The decode-cache methods of a layer with the cache (``CausalAttention``,
+    ``MultiHeadAttention``, the encoder-decoder's ``DecoderLayer``), written once: the layer
+    keeps the three variables and ``W_query`` (a layer without one overrides ``cache_dtype``),
+    and its own ``init_cache`` (which knows its heads); a model asks its layers through
+    these."""
 
     def clear_cache(self) -> None:
         """Drop the decode cache (back to the state of a new layer)."""
