@@ -70,6 +70,7 @@ __all__ = [
     "decode_step",
     "generate",
     "new_cache",
+    "padded_positions",
     "poison_unless",
     "split_for_decode",
 ]
@@ -246,6 +247,22 @@ def append(cached_key, cached_value, cache_index, keys, values):
     cached_value[...] = write(cached_value[...], values)
     cache_index[...] = jnp.where(fits, index + num_new, index)
     return cached_key[...], cached_value[...], index, fits
+
+
+def padded_positions(attention_mask, offset, num_tokens: int):
+    """Left-padded rows: ``(positions, key_mask)`` of ``num_tokens`` tokens at slots ``offset``
+    on (``0`` for a whole prompt, the cache's length for a decode step).
+
+    ``attention_mask`` ``(b, s)`` is 1 for a token and 0 for padding (``s``: the tokens, or the
+    cache's ``max_length``). ``positions`` ``(b, num_tokens)`` count from each row's first token
+    (transformers' ``cumsum(mask) - 1``, padding at 0): what position embeddings (``GPTModel``'s
+    table, a layer's ``rotary``) read, the same in a full pass and step by step. ``key_mask``
+    ``(b, 1, 1, s)`` bool hides the padding keys (the layers' ``mask``)."""
+    attention_mask = jnp.asarray(attention_mask)
+    counts = jnp.cumsum(attention_mask.astype(jnp.int32), axis=-1) - 1  # (b, s)
+    index = offset + jnp.arange(num_tokens)  # (t,) the new tokens' slots
+    positions = jnp.maximum(jnp.take(counts, index, axis=-1), 0)  # (b, t)
+    return positions, attention_mask.astype(bool)[:, None, None, :]
 
 
 def poison_unless(fits, x):

@@ -26,6 +26,7 @@ from flax_attention.core import (
     check_implementation,
     masked_softmax,
 )
+from flax_attention.masking import check_window
 from flax_attention.mesh import (
     ONE_HEAD,
     TO_HEADS,
@@ -91,28 +92,44 @@ def init_causal_layer(
     precision,
     rngs: nnx.Rngs,
     num_heads: int | None = None,
+    num_kv_heads: int | None = None,
+    window: int | None = None,
 ):
     """The constructor body of ``CausalAttention`` and ``MultiHeadAttention`` (``num_heads``:
-    checked positive by the caller, ``d_out`` must split over it), checked: their sizes and
-    options, ``W_query``/``W_key``/``W_value`` ``(d_in, d_out)`` (split over ``model`` by output
-    features), the weights' ``dropout`` and the decode cache's three variables, declared empty
-    (``init_cache`` fills them: keys and values ``(..., h, max_length, d)``, the index). Returns
-    the Linear factory, for the layer's own further projections."""
+    checked positive by the caller, ``d_out`` must split over it; ``num_kv_heads``, ``None`` or
+    dividing it: the key and value heads), checked: their sizes and options, ``W_query``
+    ``(d_in, d_out)``, ``W_key``/``W_value`` ``(d_in, num_kv_heads * head_dim)`` (split over
+    ``model`` by output features), the weights' ``dropout``, the causal ``window`` and the
+    decode cache's three variables, declared empty (``init_cache`` fills them: keys and values
+    ``(..., h_kv, max_length, d)``, the index). Returns the Linear factory, for the layer's own
+    further projections."""
     check_causal_args(d_in, d_out, context_length, dropout, implementation, block_sizes)
+    check_window(window)
+    d_kv = d_out
     if num_heads is not None:
         check_splits_over_heads("d_out", d_out, num_heads)
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        check_positive_int("num_kv_heads", num_kv_heads)
+        if num_heads % num_kv_heads:
+            raise ValueError(
+                f"num_kv_heads ({num_kv_heads}) must divide num_heads ({num_heads}) "
+                "(each key head serves num_heads // num_kv_heads query heads)"
+            )
         layer.num_heads = num_heads
+        layer.num_kv_heads = num_kv_heads
         layer.head_dim = d_out // num_heads
+        d_kv = num_kv_heads * layer.head_dim
     layer.d_in = d_in
     layer.d_out = d_out
     layer.context_length = context_length
     layer.implementation = implementation
     layer.block_sizes = block_sizes
     layer.precision = precision
+    layer.window = window
     linear = linear_factory(dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs)
     layer.W_query = linear(d_in, d_out, use_bias=qkv_bias, axes=TO_HEADS)
-    layer.W_key = linear(d_in, d_out, use_bias=qkv_bias, axes=TO_HEADS)
-    layer.W_value = linear(d_in, d_out, use_bias=qkv_bias, axes=TO_HEADS)
+    layer.W_key = linear(d_in, d_kv, use_bias=qkv_bias, axes=TO_HEADS)
+    layer.W_value = linear(d_in, d_kv, use_bias=qkv_bias, axes=TO_HEADS)
     layer.dropout = Dropout(dropout, rngs=rngs)
     layer.cached_key = nnx.data(None)
     layer.cached_value = nnx.data(None)
@@ -143,6 +160,7 @@ def causal_attention(
     *,
     cache: tuple[nnx.Cache | None, nnx.Cache | None, nnx.Cache | None] | None,
     mask=None,
+    window=None,
     dropout,
     precision,
     implementation,
@@ -154,7 +172,9 @@ def causal_attention(
     all of it from their own position; an overflow inside jit gives NaN. ``mask`` (optional,
     broadcastable to the weights ``(..., h, t, s)``, ``s`` the cache's length with ``cache``)
     hides the keys where it is ``False`` (padding) with ``PADDING_FILL``, a finite fill, so a
-    query that sees only hidden keys stays finite; causality still applies on top."""
+    query that sees only hidden keys stays finite; causality (and ``window``, a sliding window
+    of that many keys) still applies on top. Keys and values may have fewer heads than the
+    queries (grouped-query attention; the core reads them as they are)."""
     offset, fits, kv_layout = 0, None, "shd"
     if cache is not None:  # the whole cache, heads first
         keys, values, offset, fits = decode_cache.append(*cache, keys, values)
@@ -164,6 +184,7 @@ def causal_attention(
         is_causal=True,
         query_offset=offset,
         fill_value=PADDING_FILL,
+        window=window,
         dtype=jnp.result_type(queries, keys),
     )
     context_vec = attend(

@@ -13,6 +13,11 @@ the layout of the decode cache: ``reference`` and ``blocked`` read it as it is (
 wants the batch axes ``(b, h)`` leading: in the ``shd`` layout it copies the keys and values
 into that order on every call), ``native`` and ``xla`` swap it back (one copy per call).
 
+Grouped heads: keys and values may have fewer heads than the queries, ``h_kv`` dividing ``h``
+(grouped-query attention; one key head is multi-query): query head ``i`` attends with key and
+value head ``i // (h // h_kv)``. Every implementation reads the ``h_kv`` heads as they are,
+forward and backward; none repeats them to ``h`` in memory.
+
 The steps are the documents': scores ``q . k``, divided by ``sqrt(d_k)``, masked positions filled
 (``-inf`` for the causal family, ``-1e10`` for the annotated-transformer post), softmax in at
 least float32 and cast back, dropout on the weights, weighted sum of the values.
@@ -276,6 +281,13 @@ def attend(
     ``dot_product_attention``'s, whose options (``implementation``, ``block_sizes``,
     ``kv_layout``) are checked where they are given: the layers at construction,
     ``dot_product_attention`` at each call."""
+    heads, kv_heads = queries.shape[-2], keys.shape[-3 if kv_layout == "hsd" else -2]
+    if heads % kv_heads or values.shape[-3 if kv_layout == "hsd" else -2] != kv_heads:
+        raise ValueError(
+            f"keys' and values' heads ({kv_heads}, "
+            f"{values.shape[-3 if kv_layout == 'hsd' else -2]}) must be equal and divide the "
+            f"queries' heads ({heads}) (grouped-query attention)"
+        )
     if mask is None:
         mask = AttentionMask.build(dtype=jnp.result_type(queries, keys))
     elif not isinstance(mask, AttentionMask):
@@ -309,6 +321,7 @@ def dot_product_attention(
     is_causal: bool = False,
     query_offset=0,
     fill_value=-jnp.inf,
+    window: int | None = None,
     dropout=None,
     precision=None,
     implementation: Implementation | None = "reference",
@@ -320,14 +333,18 @@ def dot_product_attention(
 
     Args:
       queries: ``(..., t, h, d_k)``.
-      keys: ``(..., s, h, d_k)``, or ``(..., h, s, d_k)`` with ``kv_layout="hsd"``.
-      values: ``(..., s, h, d_v)``, or ``(..., h, s, d_v)`` with ``kv_layout="hsd"``.
+      keys: ``(..., s, h_kv, d_k)``, or ``(..., h_kv, s, d_k)`` with ``kv_layout="hsd"``;
+        ``h_kv`` divides ``h`` (``h_kv < h``: grouped-query attention, query head ``i`` with key
+        head ``i // (h // h_kv)``).
+      values: ``(..., s, h_kv, d_v)``, or ``(..., h_kv, s, d_v)`` with ``kv_layout="hsd"``.
       mask: broadcastable to the weights ``(..., h, t, s)``; ``True`` keeps a position, ``False``
         fills its score with ``fill_value``.
       is_causal: query ``i`` sees keys ``j <= query_offset + i`` only; the others get ``-inf``.
       query_offset: absolute position of query 0 (the decode cache's index; may be traced).
       fill_value: ``-inf`` (the causal family) or ``-1e10`` (the annotated transformer) for
         ``mask``.
+      window: with ``is_causal``, a sliding window of ``window`` keys: query ``q`` (absolute
+        position) sees keys ``q - window < j <= q`` only; ``None``: every earlier key.
       dropout: applied to the weights: an ``nnx.Dropout`` (its own ``deterministic`` flag, set
         by ``.eval()``/``.train()``, decides; ``reference``, ``blocked`` and ``native`` apply
         it), any other callable ``weights -> weights`` (a dropout of your own, such as fixed
@@ -352,6 +369,7 @@ def dot_product_attention(
         is_causal=is_causal,
         query_offset=query_offset,
         fill_value=fill_value,
+        window=window,
         dtype=jnp.result_type(queries, keys),  # the scores' dtype
     )
     out = attend(
@@ -470,16 +488,32 @@ _KERNELS: dict[str, _Kernel] = {
 
 def _reference(queries, keys, values, attention_mask, dropout, precision, kv_layout="shd"):
     """The documents' math, weights materialised. Keys and values heads first
-    (``kv_layout="hsd"``) enter the two matmuls as they are."""
-    d_key = queries.shape[-1]
+    (``kv_layout="hsd"``) enter the two matmuls as they are. Grouped heads (keys and values with
+    ``h_kv`` heads, ``h = g * h_kv`` query heads): the queries are viewed ``(..., t, h_kv, g,
+    d)`` and each group meets its one key head in the same two matmuls; nothing is repeated."""
+    d_key, heads = queries.shape[-1], queries.shape[-2]
     kv = "...shd" if kv_layout == "shd" else "...hsd"
-    attn_scores = jnp.einsum(
-        f"...thd,{kv}->...hts", queries, keys, precision=precision
-    )  # (..., h, t, s)
+    kv_heads = keys.shape[-2] if kv_layout == "shd" else keys.shape[-3]
+    if kv_heads == heads:
+        attn_scores = jnp.einsum(
+            f"...thd,{kv}->...hts", queries, keys, precision=precision
+        )  # (..., h, t, s)
+    else:  # grouped: (..., t, h_kv, g, d) against (..., s, h_kv, d)
+        grouped = queries.reshape(*queries.shape[:-2], kv_heads, heads // kv_heads, d_key)
+        attn_scores = jnp.einsum(
+            f"...thgd,{kv}->...hgts", grouped, keys, precision=precision
+        )  # (..., h_kv, g, t, s)
+        attn_scores = attn_scores.reshape(*attn_scores.shape[:-4], heads, *attn_scores.shape[-2:])
     attn_weights = _masked_softmax(attn_scores, d_key, attention_mask)  # (..., h, t, s)
     if dropout is not None:
         attn_weights = dropout(attn_weights)
-    context_vec = jnp.einsum(
-        f"...hts,{kv}->...thd", attn_weights, values, precision=precision
-    )  # (..., t, h, d_v)
-    return context_vec, attn_weights
+    if kv_heads == heads:
+        context_vec = jnp.einsum(
+            f"...hts,{kv}->...thd", attn_weights, values, precision=precision
+        )  # (..., t, h, d_v)
+        return context_vec, attn_weights
+    grouped = attn_weights.reshape(
+        *attn_weights.shape[:-3], kv_heads, heads // kv_heads, *attn_weights.shape[-2:]
+    )  # (..., h_kv, g, t, s)
+    context_vec = jnp.einsum(f"...hgts,{kv}->...thgd", grouped, values, precision=precision)
+    return context_vec.reshape(*context_vec.shape[:-3], heads, values.shape[-1]), attn_weights

@@ -428,7 +428,7 @@ def attention_out_shardings(queries, values, need_weights):
     return context, PartitionSpec(*q[:-3], q[-2], q[-3], None)
 
 
-def kernel_shard_specs(queries, keep):
+def kernel_shard_specs(queries, keep, kv_heads=None):
     """How to run the kernel once per device under a mesh (``jax.set_mesh``): ``(mesh,
     in_specs, out_spec)`` for ``shard_map``, or ``None`` (no mesh, or nothing to split).
 
@@ -437,7 +437,8 @@ def kernel_shard_specs(queries, keep):
     ``Auto`` axes (also inside ``jax.sharding.auto_axes``, where the attention core runs its
     kernels) the package's layout does (``flax_attention.axes.HEADS``: the first leading axis
     over ``data``, the heads over ``model``), where the axis divides. Keys, values and the mask
-    follow the queries; XLA moves what is elsewhere.
+    follow the queries; XLA moves what is elsewhere. With grouped heads (``kv_heads`` key heads
+    for the queries' ``h``) the heads split only where the mesh axis divides both.
     """
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or queries.ndim < 4:
@@ -451,7 +452,8 @@ def kernel_shard_specs(queries, keep):
         heads = MODEL
     used: set = set()
     lead = [_usable(entry, n, mesh, types, used) for entry, n in zip(lead, queries.shape)]
-    heads = _usable(heads, queries.shape[-2], mesh, types, used)
+    h = queries.shape[-2]
+    heads = _usable(heads, math.gcd(h, kv_heads or h), mesh, types, used)
     if all(entry is None for entry in (*lead, heads)):
         return None
     x_spec = PartitionSpec(*lead, None, heads, None)

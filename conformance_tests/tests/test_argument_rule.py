@@ -287,6 +287,7 @@ _ROWS = [
         NONE,
     ),
     "flax_attention.models",
+    Row("Config", fam.Config, lambda: {"cfg": {"vocab_size": 3}}, "cfg", 3, NONE),
     Row("FeedForward", fam.FeedForward, _layer(0, cfg=CFG), "cfg", [1], {**CFG, "emb_dim": 0}),
     Row("GPTModel", fam.GPTModel, _layer(0, cfg=CFG), "cfg", "gpt2", {**CFG, "n_heads": 3}),
     Row("LayerNorm", fam.LayerNorm, lambda: {"emb_dim": 8}, "emb_dim", 8.0, 0),

@@ -209,6 +209,66 @@ def test_core_equals_reference(
     _assert_close(reference, actual, tolerance("float32", "grad"), name)
 
 
+#: Grouped heads and sliding windows against torch's ``scaled_dot_product_attention``
+#: (``enable_gqa``, the window and causality as its boolean ``attn_mask``): (name, query heads,
+#: key heads, window, queries, keys), the queries the last ones (a decode chunk where fewer).
+GROUPED_CASES = [
+    ("grouped", 4, 2, None, 13, 13),
+    ("multi_query_window", 3, 1, 4, 13, 13),
+    ("window_chunk", 2, 2, 3, 5, 12),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "heads", "kv_heads", "window", "t", "s"),
+    GROUPED_CASES,
+    ids=[c[0] for c in GROUPED_CASES],
+)
+@pytest.mark.parametrize("implementation", ["reference", *FAST])
+def test_grouped_heads_and_window_equal_torch(implementation, name, heads, kv_heads, window, t, s):
+    """Every implementation with fewer key than query heads and a sliding window equals torch's
+    ``scaled_dot_product_attention(..., enable_gqa=True)`` with the same visibility as its
+    mask, forward and gradients (a key of one batch row hidden too; tiles of 4 cross the
+    window's edges)."""
+    import torch
+
+    rng = np.random.default_rng(len(name))
+    q = rng.standard_normal((2, t, heads, 8)).astype(np.float32)
+    k, v = (rng.standard_normal((2, s, kv_heads, 8)).astype(np.float32) for _ in range(2))
+    cotangent = rng.standard_normal((2, t, heads, 8)).astype(np.float32)
+    offset = s - t
+    keep = np.ones((2, 1, 1, s), bool)
+    keep[1, ..., s - t + 1] = False  # a key the second row's later queries skip
+    positions = offset + np.arange(t)[:, None], np.arange(s)[None, :]
+    visible = positions[1] <= positions[0]
+    if window is not None:
+        visible &= positions[0] - positions[1] < window
+    tq, tk, tv = (torch.tensor(x.transpose(0, 2, 1, 3), requires_grad=True) for x in (q, k, v))
+    out = torch.nn.functional.scaled_dot_product_attention(
+        tq, tk, tv, attn_mask=torch.tensor(keep & visible), enable_gqa=True
+    )  # (b, h, t, d)
+    (out * torch.tensor(cotangent.transpose(0, 2, 1, 3))).sum().backward()
+    names = ("out", "dq", "dk", "dv")
+    tensors = (out.detach(), tq.grad, tk.grad, tv.grad)
+    expected = {n: x.numpy().transpose(0, 2, 1, 3) for n, x in zip(names, tensors)}
+
+    def loss(q, k, v):
+        out, _ = core.dot_product_attention(
+            q, k, v, keep, is_causal=True, query_offset=offset, window=window,
+            implementation=implementation, need_weights=implementation == "reference",
+            block_sizes=SMALL_TILES,
+        )  # fmt: skip
+        return (out * cotangent).sum(), out
+
+    with jax.default_matmul_precision("highest"):
+        (_, out), grads = jax.jit(jax.value_and_grad(loss, (0, 1, 2), has_aux=True))(q, k, v)
+    assert np.isfinite(expected["out"]).all()
+    _assert_close({"out": expected["out"]}, {"out": out}, tolerance("float32", "forward"), name)
+    actual = dict(zip(("dq", "dk", "dv"), grads))
+    del expected["out"]
+    _assert_close(expected, actual, tolerance("float32", "grad"), name)
+
+
 def test_causal_fully_masked_row_attends_to_its_first_key_only():
     """With ``is_causal`` and a mask that hides all of row 0, the causal exclusion (``-inf``)
     still holds: the only key left is key 0 at ``fill_value``, so row 0's output is ``v[0]``."""
@@ -467,29 +527,34 @@ def _assert_all_close(expected, actual, what):
     )
 
 
-@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
-def test_blocked_dropout_equals_reference_with_the_same_mask(is_causal):
+@pytest.mark.parametrize(
+    ("is_causal", "heads", "kv_heads", "window"),
+    [(False, 2, 2, None), (True, 2, 2, None), (True, 4, 2, 3)],
+    ids=["full", "causal", "grouped_window"],
+)
+def test_blocked_dropout_equals_reference_with_the_same_mask(is_causal, heads, kv_heads, window):
     """``blocked`` with dropout inside its tiles equals ``reference`` whose dropout applies
     ``dropout_hash.keep_mask(seed, (B, h, t, s), rate)`` scaled by ``1 / (1 - rate)`` (two
     batch axes flattened into ``B``, tiles crossing the lengths, a padding mask with document
-    001's fill), forward and gradients; and ``native`` with the same seed drops the same
-    weights."""
+    001's fill; grouped heads and a window too, where the hash numbers the query heads),
+    forward and gradients; and ``native`` with the same seed drops the same weights."""
     rate, seed = 0.3, 1234
-    q, k, v, mask, cotangent = _core_inputs((2, 3), 13, 11, 2, 4, 4, "padding")
-    keep = dropout_hash.keep_mask(seed, (6, 2, 13, 11), rate).reshape(2, 3, 2, 13, 11)
+    q, k, v, mask, cotangent = _core_inputs((2, 3), 13, 11, heads, 4, 4, "padding")
+    k, v = k[..., :kv_heads, :], v[..., :kv_heads, :]
+    keep = dropout_hash.keep_mask(seed, (6, heads, 13, 11), rate).reshape(2, 3, heads, 13, 11)
 
     def reference(q, k, v):
         def dropout(weights):
             return jnp.where(keep, weights / (1 - rate), 0.0)
 
         return core.dot_product_attention(
-            q, k, v, mask, is_causal=is_causal, fill_value=-1e10, dropout=dropout
+            q, k, v, mask, is_causal=is_causal, fill_value=-1e10, window=window, dropout=dropout
         )[0]
 
     def tiled(kernel, **kwargs):
         def fn(q, k, v):
             attention_mask = AttentionMask.build(
-                mask, is_causal=is_causal, fill_value=-1e10, dtype=q.dtype
+                mask, is_causal=is_causal, fill_value=-1e10, window=window, dtype=q.dtype
             )
             return kernel(q, k, v, attention_mask, dropout_rate=rate, dropout_seed=seed, **kwargs)
 
@@ -505,6 +570,7 @@ def test_blocked_dropout_equals_reference_with_the_same_mask(is_causal):
         mask,
         is_causal=is_causal,
         fill_value=-1e10,
+        window=window,
         implementation="blocked",
         need_weights=False,
         block_sizes=SMALL_TILES,

@@ -3,8 +3,9 @@
 The adapter flattens the leading axes into one batch axis ``B`` and turns an ``AttentionMask``
 into what ``jax.nn`` takes: without causality the caller's mask is ``jax.nn``'s ``mask`` (which
 fills a large finite negative, so a fully masked row is uniform, as with ``-1e10``); with
-causality the causal mask is ``jax.nn``'s ``mask`` and the caller's mask becomes a ``bias`` of
-``fill_value``, so a causally hidden key stays hidden in a fully masked row.
+causality the causal mask (with its window, if any) is ``jax.nn``'s ``mask`` and the caller's
+mask becomes a ``bias`` of ``fill_value``, so a causally hidden key stays hidden in a fully
+masked row. Grouped heads (fewer key than query heads) go in as they are: ``jax.nn`` takes them.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from flax_attention.masking import AttentionMask, causal_mask, flatten_mask
+from flax_attention.masking import AttentionMask, flatten_mask
 
 __all__ = ["jax_nn_attention"]
 
@@ -38,7 +39,7 @@ def jax_nn_attention(queries, keys, values, attention_mask: AttentionMask, *, im
         if mask is not None:  # the caller's mask as a fill_value bias, causality as the mask
             bias = jnp.where(mask, 0.0, attention_mask.fill_value).astype(queries.dtype)
             bias = flatten_mask(bias, lead, h, t, s)
-        mask = causal_mask(t, s, attention_mask.query_offset)  # (t, s)
+        mask = attention_mask.visible(jnp.arange(t)[:, None], jnp.arange(s)[None, :])  # (t, s)
     if mask is not None:
         mask = flatten_mask(mask, lead, h, t, s)  # (B|1, h|1, t|1, s|1)
     context_vec = jax.nn.dot_product_attention(

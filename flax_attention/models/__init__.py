@@ -28,6 +28,7 @@ from flax_attention.models.generation import generate, generate_text_simple
 from flax_attention.models.gpt import (
     GELU,
     GPT_CONFIG_124M,
+    Config,
     FeedForward,
     GPTModel,
     LayerNorm,
@@ -47,6 +48,7 @@ from flax_attention.models.training import (
 __all__ = [
     "GPT_CONFIG_124M",
     "GELU",
+    "Config",
     "FeedForward",
     "GPTModel",
     "LayerNorm",

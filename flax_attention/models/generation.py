@@ -66,7 +66,9 @@ __all__ = ["PROMPT_BUCKET", "CausalLM", "generate", "generate_text_simple", "nex
 class CausalLM(Protocol):
     """What ``generate`` asks of a model (an ``nnx.Module``; ``GPTModel`` is one):
 
-    - ``cfg``: a mapping with ``vocab_size`` (the logits per token) and ``context_length``;
+    - ``cfg``: a hashable mapping (``flax_attention.models.Config(cfg)`` makes one of a dict:
+      it is part of the model's static structure) with ``vocab_size`` (the logits per token)
+      and ``context_length``;
     - ``hidden_states(in_idx, *, decode=False, attention_mask=None)``: the last norm's output
       ``(b, t, d)`` for token ids ``(b, t)``; with ``decode=True`` the tokens continue the
       sequence in the decode caches, their positions counted from the caches' length;
@@ -187,6 +189,14 @@ def _check_arguments(
             "attention_mask, logits, init_cache, clear_cache)"
         )
     cfg = model.cfg
+    try:
+        hash(cfg)
+    except TypeError:
+        raise TypeError(
+            f"model.cfg (a {type(cfg).__name__}) must be hashable: it is part of the model's "
+            "static structure, which jit keys its compilations on (store "
+            "flax_attention.models.Config(cfg), a read-only mapping, as GPTModel does)"
+        ) from None
     outputs = head_outputs(model) if isinstance(model, GPTModel) else cfg["vocab_size"]
     if outputs != cfg["vocab_size"]:
         raise ValueError(

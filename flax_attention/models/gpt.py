@@ -45,6 +45,7 @@ from flax import nnx
 from flax_attention._checks import check_bool, check_positive_int, check_rate
 from flax_attention._init import Dropout, Embed, linear_factory, rows_dot_general
 from flax_attention._inputs import check_model_inputs
+from flax_attention.cache import padded_positions
 from flax_attention.core import Implementation
 from flax_attention.layouts import ModelNames, Names, gpt_model_names, register
 from flax_attention.mesh import (
@@ -93,6 +94,8 @@ class Config(Mapping):
     ``jit`` can key its compilations on it); ``dict(model.cfg)`` gives the book's dict."""
 
     def __init__(self, cfg: Mapping):
+        if not isinstance(cfg, Mapping):
+            raise TypeError(f"cfg ({cfg!r}) must be a mapping (a dict of the model's settings)")
         self._items = dict(cfg)
 
     def __getitem__(self, key):
@@ -401,11 +404,7 @@ class GPTModel(nnx.Module):
                 f"attention_mask.shape ({tuple(attention_mask.shape)}) must be (batch, {where}) "
                 f"({(batch, slots)})"
             )
-        attention_mask = jnp.asarray(attention_mask)
-        counts = jnp.cumsum(attention_mask.astype(jnp.int32), axis=-1) - 1  # (b, s)
-        index = offset + jnp.arange(seq_len)  # (t,) the new tokens' slots
-        positions = jnp.maximum(jnp.take(counts, index, axis=-1), 0)  # (b, t)
-        return positions, attention_mask.astype(bool)[:, None, None, :]
+        return padded_positions(attention_mask, offset, seq_len)
 
     def logits(self, x):
         """The head: ``x`` ``(..., d)`` -> ``(..., V)``; tied, it contracts ``tok_emb``'s

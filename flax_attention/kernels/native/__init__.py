@@ -3,21 +3,23 @@
 Shape legend as in ``flax_attention.core``: ``b`` batch (leading axes, flattened here), ``t``
 query tokens, ``s`` key tokens, ``h`` heads, ``d`` features per head.
 
-``native_attention`` takes and returns the layout of ``blocked_attention``:
-``(..., t, h, d_k), (..., s, h, d_k), (..., s, h, d_v) -> (..., t, h, d_v)``, with the same
-``AttentionMask`` and semantics (causal tile skipping, the caller's keep-mask, its fill,
-the query offset), plus dropout inside the tiles (``dropout_hash``). Forward and backward are
-two FFI targets under one ``jax.custom_vjp``; the backward recomputes the tiles from the saved
-row max ``m`` and denominator ``l``. Tiles are ``block_q`` queries (64, or 128 from 2048
-queries, unless given) by ``block_k`` keys (512 unless given); the forward runs an online
-softmax across a row's key tiles. The tiles' products run on the kernel's own micro-kernel
-(one source, compiled for AVX-512, AVX2 and baseline vectors) where the CPU has AVX-512 and the
-head dims are multiples of 16 (GPT-2's 64), on scipy-openblas32's ``sgemm`` (single-threaded per
-call) elsewhere (``products()`` says which; ``native_attention(..., products="blas")`` or
-``"micro"`` asks for one). The parallelism is XLA's intra-op thread pool, one task per (batch,
-head, query block) forward and per (batch, head) backward. Inputs of float32 or bfloat16 are
-computed in float32 and the result cast back; ``precision`` is accepted for the common
-signature: the kernel always multiplies in full float32 (``HIGHEST``).
+``native_attention`` takes and returns the layout of ``blocked_attention``: ``(..., t, h, d_k),
+(..., s, h_kv, d_k), (..., s, h_kv, d_v) -> (..., t, h, d_v)`` (``h_kv`` dividing ``h``:
+grouped-query attention, the key heads read in place), with the same ``AttentionMask`` and
+semantics (causal and sliding-window tile skipping, the caller's keep-mask, its fill, the query
+offset), plus dropout inside the tiles (``dropout_hash``). Forward and backward are two FFI
+targets under one ``jax.custom_vjp``; the backward recomputes the tiles from the saved row max
+``m`` and denominator ``l``. Tiles are ``block_q`` queries (64, or 128 from 2048 queries, unless
+given) by ``block_k`` keys (512 unless given); the forward runs an online softmax across a row's
+key tiles. The tiles' products run on the kernel's own micro-kernel (one source, compiled for
+AVX-512, AVX2 and baseline vectors) where the CPU has AVX-512 and the head dims are multiples of
+16 (GPT-2's 64), on scipy-openblas32's ``sgemm`` (single-threaded per call) elsewhere
+(``products()`` says which; ``native_attention(..., products="blas")`` or ``"micro"`` asks for
+one). The parallelism is XLA's intra-op thread pool, one task per (batch, head, query block)
+forward and per (batch, key head) backward (the query heads that share a key head accumulate its
+gradients in one task). Inputs of float32 or bfloat16 are computed in float32 and the result
+cast back; ``precision`` is accepted for the common signature: the kernel always multiplies in
+full float32 (``HIGHEST``).
 
 The library is built by the package's install (``setup.py``). Where it was not built, cannot be
 loaded, or ``FLAX_ATTENTION_NATIVE=0`` is set in the environment when the kernel is first asked
@@ -206,7 +208,8 @@ def native_attention(
     ``reference`` without its ``(t, s)`` scores in memory.
 
     Args:
-      queries, keys, values: float32 or bfloat16, layout as above.
+      queries, keys, values: float32 or bfloat16, layout as above; keys and values may have
+        fewer heads ``h_kv`` dividing ``h`` (grouped-query attention).
       attention_mask: the core's one description of what is hidden
         (``flax_attention.masking.AttentionMask``): the caller's keep-mask, its fill (``-inf``:
         a fully masked row is NaN, as softmax; the annotated-transformer post's ``-1e10``:
@@ -267,6 +270,7 @@ def _attend(
         block_k=int(block_k),
         products=_PRODUCTS[products],
         targets=(_FORWARD, _BACKWARD) if targets is None else targets,
+        window=attention_mask.window or 0,
     )
     if keep is None:
         keep = jnp.ones((1,) * (len(lead) + 3), bool)  # not read by the kernel
@@ -278,7 +282,11 @@ def _attend(
     head_index = jnp.arange(h, dtype=jnp.uint32)
     operands = (queries, keys, values, keep, offset, seed, batch_index, head_index)
     call = functools.partial(_call, config)
-    specs = None if jax.sharding.get_abstract_mesh().empty else kernel_shard_specs(queries, keep)
+    specs = (
+        None
+        if jax.sharding.get_abstract_mesh().empty
+        else kernel_shard_specs(queries, keep, keys.shape[-2])
+    )
     if specs is not None:
         mesh, in_specs, out_spec = specs
         # check_vma=False: an FFI call's results carry no varying-axes type, so the custom VJP's
@@ -335,6 +343,7 @@ class _Config:
     block_k: int
     products: int = 0  # the kernel's code: 0 its default, 1 the BLAS, 2 the micro-kernel
     targets: tuple[str, str] = (_FORWARD, _BACKWARD)  # the FFI targets called
+    window: int = 0  # the sliding window, 0: none
 
     def attributes(self) -> dict:
         return dict(
@@ -346,6 +355,7 @@ class _Config:
             block_q=np.int64(self.block_q),
             block_k=np.int64(self.block_k),
             products=np.int32(self.products),
+            window=np.int64(self.window),
         )  # not the targets: they name the call
 
 

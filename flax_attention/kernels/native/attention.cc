@@ -3,12 +3,16 @@
 // Shape legend (as in flax_attention/core.py): b batch (leading axes flattened), t query tokens,
 // s key tokens, h heads, d features per head (dk for queries and keys, dv for values).
 //
-// Layout: queries (b, t, h, dk), keys (b, s, h, dk), values (b, s, h, dv), all float32 and read
-// in place with strides (row stride h * d): nothing is transposed. The caller's keep-mask is
-// (b|1, h|1, t|1, s|1) booleans, a size-1 axis broadcast (stride 0).
+// Layout: queries (b, t, h, dk), keys (b, s, hkv, dk), values (b, s, hkv, dv), all float32 and
+// read in place with strides (row stride h * d or hkv * d): nothing is transposed or repeated.
+// hkv divides h: query head hd reads key and value head hd / (h / hkv) (grouped-query
+// attention; hkv = h otherwise). The caller's keep-mask is (b|1, h|1, t|1, s|1) booleans, a
+// size-1 axis broadcast (stride 0).
 //
 // Forward, per (batch, head, block of bq queries), one task of XLA's thread pool, over the keys
-// the causal mask leaves (kend) in tiles of bk keys:
+// the causal mask and the sliding window leave ([kbegin, kend): the block's first row's window
+// start to its last row's causal end; the tiles before and after are never computed) in tiles
+// of bk keys:
 //   S = Q K^T / sqrt(dk)            one product per tile
 //   per row: fill the masked scores, row max m, p = exp(s - m), l = sum p  (two fused passes);
 //   over several tiles an online softmax: the running m, l and output rescaled as m grows
@@ -16,8 +20,9 @@
 // The rows' m and l are returned apart (not as m + log l): with document 001's -1e10 fill a
 // fully masked row has m = -1e10, where m + log l would round log l away.
 //
-// Backward, per (batch, head), one task; query blocks in order, each over its key tiles, dK and
-// dV accumulated in the task's own output rows (no two tasks write the same rows):
+// Backward, per (batch, key head), one task: the key head's query heads in turn, each its query
+// blocks in order over their key tiles, dK and dV accumulated in the task's own output rows (no
+// two tasks write the same rows: the query heads sharing a key head run in one task):
 //   recompute P = exp(S - m) / l (final per tile, from the forward's m and l),  dP = dO V^T,
 //   delta = rowsum(dO * O)
 //   dV += (P * D)^T dO,  dS = P * (dP * D - delta) (0 where the caller's mask filled the score),
@@ -29,7 +34,8 @@
 // call's `products` attribute asks for it), scipy-openblas32's sgemm otherwise.
 //
 // Masking semantics (those of the reference): the caller's mask fills a score with fill_value
-// (-inf, or document 001's -1e10); a key the causal mask hides stays -inf (it is skipped), so
+// (-inf, or document 001's -1e10); a key the causal mask or the window (a key window or more
+// positions before the query) hides stays -inf (it is skipped), so
 // a row the caller masks entirely is uniform over its causally visible keys with -1e10 and NaN
 // (0 / 0, as softmax) with -inf. Filled scores get no gradient.
 
@@ -68,6 +74,7 @@ struct Options {
   int64_t block_q;
   int64_t block_k;
   int32_t products;  // 0 the default for this CPU, 1 the BLAS, 2 the micro-kernel
+  int64_t window;    // the sliding window (keys); 0: none
 };
 
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(Options, ffi::StructMember<bool>("is_causal"),
@@ -77,7 +84,8 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(Options, ffi::StructMember<bool>("is_causa
                                       ffi::StructMember<float>("drop_scale"),
                                       ffi::StructMember<int64_t>("block_q"),
                                       ffi::StructMember<int64_t>("block_k"),
-                                      ffi::StructMember<int32_t>("products"));
+                                      ffi::StructMember<int32_t>("products"),
+                                      ffi::StructMember<int64_t>("window"));
 
 namespace {
 
@@ -125,6 +133,8 @@ inline float Exp(float x) {
 
 struct Attention {
   int64_t batch, t, s, heads, dk, dv, bq, bk;  // bq query rows, bk keys per tile
+  int64_t kv_heads, group;  // key and value heads; query heads per key head (heads / kv_heads)
+  int64_t window;           // sliding window (keys), 0: none
   const float *q, *k, *v;
   const bool* mask;        // nullptr without a mask
   int64_t mask_stride[4];  // (b, h, t, s), 0 on a broadcast axis
@@ -140,17 +150,22 @@ struct Attention {
   const float *kt = nullptr, *vt = nullptr;
   int64_t sp = 0;
 
+  // Q by query head; K, V, KT, VT by query head hd too (its key head hd / group).
   const float* Q(int64_t b, int64_t i, int64_t hd) const { return q + ((b * t + i) * heads + hd) * dk; }
-  const float* K(int64_t b, int64_t j, int64_t hd) const { return k + ((b * s + j) * heads + hd) * dk; }
-  const float* V(int64_t b, int64_t j, int64_t hd) const { return v + ((b * s + j) * heads + hd) * dv; }
-  const float* KT(int64_t b, int64_t hd) const { return kt + (b * heads + hd) * dk * sp; }
-  const float* VT(int64_t b, int64_t hd) const { return vt + (b * heads + hd) * dv * sp; }
+  const float* K(int64_t b, int64_t j, int64_t hd) const { return k + ((b * s + j) * kv_heads + hd / group) * dk; }
+  const float* V(int64_t b, int64_t j, int64_t hd) const { return v + ((b * s + j) * kv_heads + hd / group) * dv; }
+  const float* KT(int64_t b, int64_t hd) const { return kt + (b * kv_heads + hd / group) * dk * sp; }
+  const float* VT(int64_t b, int64_t hd) const { return vt + (b * kv_heads + hd / group) * dv * sp; }
   const bool* MaskRow(int64_t b, int64_t hd, int64_t i) const {
     return mask + b * mask_stride[0] + hd * mask_stride[1] + i * mask_stride[2];
   }
-  // Keys query i sees at all: every key, or keys j <= offset + i.
+  // Keys query i sees at all: [Begin(i), Visible(i)): every key, or keys j <= offset + i, and
+  // with a window keys offset + i - j < window only.
   int64_t Visible(int64_t i) const {
     return causal ? std::clamp<int64_t>(int64_t{offset} + i + 1, 0, s) : s;
+  }
+  int64_t Begin(int64_t i) const {
+    return window > 0 ? std::clamp<int64_t>(int64_t{offset} + i - window + 1, 0, s) : 0;
   }
   bool Dropout() const { return drop_threshold != 0; }
   uint32_t RowHash(int64_t b, int64_t hd, int64_t i) const {
@@ -167,12 +182,14 @@ constexpr int64_t kMaxRows = 1024;
 
 int64_t Padded(int64_t n) { return (n + kLanes - 1) / kLanes * kLanes; }
 
-// One row's scores as the softmax sees them: the caller-masked keys of [0, n) filled, the keys
-// from n on (hidden by causality, or padding) -inf.
-void MaskRow(const Attention& a, const bool* keep, float* row, int64_t n, int64_t ld) {
+// One row's scores as the softmax sees them: the caller-masked keys of [begin, n) filled, the
+// keys before begin (outside the window) and from n on (hidden by causality, or padding) -inf.
+void MaskRow(const Attention& a, const bool* keep, float* row, int64_t begin, int64_t n,
+             int64_t ld) {
+  std::fill(row, row + begin, kNegInf);
   if (keep) {
     const int64_t step = a.mask_stride[3];
-    for (int64_t j = 0; j < n; ++j)
+    for (int64_t j = begin; j < n; ++j)
       if (!keep[j * step]) row[j] = a.fill;
   }
   std::fill(row + n, row + ld, kNegInf);
@@ -419,47 +436,50 @@ WIDEST_VECTORS
 void ForwardBlock(const Attention& a, int64_t b, int64_t hd, int64_t i0, float* out, float* M,
                   float* L) {
   const int64_t rows = std::min(a.bq, a.t - i0);
-  const int64_t kend = a.Visible(i0 + rows - 1);  // the block's last row sees the most keys
-  const int64_t ldo = a.heads * a.dv;
+  const int64_t kend = a.Visible(i0 + rows - 1);  // the block's last row sees the latest keys
+  const int64_t kbegin = a.Begin(i0);             // its first row the earliest
+  const int64_t ldo = a.heads * a.dv, ldq = a.heads * a.dk;
+  const int64_t ldk = a.kv_heads * a.dk, ldv = a.kv_heads * a.dv;
   float* O = out + ((b * a.t + i0) * a.heads + hd) * a.dv;
   float* m_out = M + (b * a.heads + hd) * a.t + i0;
   float* l_out = L + (b * a.heads + hd) * a.t + i0;
-  if (kend == 0) {  // every key hidden: softmax of an all -inf row, 0 / 0
+  if (kend <= kbegin) {  // every key hidden: softmax of an all -inf row, 0 / 0
     for (int64_t r = 0; r < rows; ++r) {
       std::fill(O + r * ldo, O + r * ldo + a.dv, std::nanf(""));
       m_out[r] = 0.0f, l_out[r] = 0.0f;
     }
     return;
   }
-  // Keys in chunks of bk: one chunk (the whole row) while kend <= bk, else an online softmax
-  // over the chunks, the rows' output rescaled by exp(m_old - m_new) as the max grows.
-  const int64_t bk = std::min(a.bk, kend), ld = Padded(bk);
-  const bool online = bk < kend;
+  // Keys in chunks of bk: one chunk (the whole row) while kend - kbegin <= bk, else an online
+  // softmax over the chunks, the rows' output rescaled by exp(m_old - m_new) as the max grows.
+  const int64_t bk = std::min(a.bk, kend - kbegin), ld = Padded(bk);
+  const bool online = bk < kend - kbegin;
   float* S = Scratch(rows * ld + ld + (online ? rows * a.dv : 0));
   float* drop = S + rows * ld;
   float* acc = online ? drop + ld : O;  // the rows' running P V, (rows x dv)
   const int64_t ldacc = online ? a.dv : ldo;
   for (int64_t r = 0; r < rows; ++r) m_out[r] = kNegInf, l_out[r] = 0.0f;
-  for (int64_t j0 = 0; j0 < kend; j0 += bk) {
+  for (int64_t j0 = kbegin; j0 < kend; j0 += bk) {
     const int64_t n = std::min(bk, kend - j0), ldn = Padded(n);
+    const bool first = j0 == kbegin;
     if (a.micro)
-      MicroGemm(rows, ldn, a.dk, a.Q(b, i0, hd), a.heads * a.dk, 1, a.KT(b, hd) + j0, a.sp, S,
-                ldn, a.scale, false);
+      MicroGemm(rows, ldn, a.dk, a.Q(b, i0, hd), ldq, 1, a.KT(b, hd) + j0, a.sp, S, ldn, a.scale,
+                false);
     else
       scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, n, a.dk, a.scale,
-                        a.Q(b, i0, hd), a.heads * a.dk, a.K(b, j0, hd), a.heads * a.dk, 0.0f, S,
-                        ldn);
+                        a.Q(b, i0, hd), ldq, a.K(b, j0, hd), ldk, 0.0f, S, ldn);
     for (int64_t r = 0; r < rows; ++r) {
       float* row = S + r * ldn;
       const bool* keep = a.mask ? a.MaskRow(b, hd, i0 + r) + j0 * a.mask_stride[3] : nullptr;
-      MaskRow(a, keep, row, std::clamp<int64_t>(a.Visible(i0 + r) - j0, 0, n), ldn);
+      MaskRow(a, keep, row, std::clamp<int64_t>(a.Begin(i0 + r) - j0, 0, n),
+              std::clamp<int64_t>(a.Visible(i0 + r) - j0, 0, n), ldn);
       const float m_old = m_out[r];
       const float m_new = std::max(m_old, RowMax(row, ldn));
       const float m = m_new == kNegInf ? 0.0f : m_new;  // nothing visible yet: every p is 0
       const float alpha = Exp(m_old - m);               // exp(-inf) = 0 on the first chunk
       l_out[r] = l_out[r] * alpha + ExpRow(row, ldn, m, 1.0f);
       m_out[r] = m_new;
-      if (j0 > 0)
+      if (!first)
         for (int64_t c = 0; c < a.dv; ++c) acc[r * ldacc + c] *= alpha;
       if (a.Dropout()) {
         DropoutRow(a, a.RowHash(b, hd, i0 + r), j0, drop, ldn);
@@ -467,11 +487,10 @@ void ForwardBlock(const Attention& a, int64_t b, int64_t hd, int64_t i0, float* 
       }
     }
     if (a.micro)
-      MicroGemm(rows, a.dv, n, S, ldn, 1, a.V(b, j0, hd), a.heads * a.dv, acc, ldacc, 1.0f,
-                j0 > 0);
+      MicroGemm(rows, a.dv, n, S, ldn, 1, a.V(b, j0, hd), ldv, acc, ldacc, 1.0f, !first);
     else
       scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, a.dv, n, 1.0f, S, ldn,
-                        a.V(b, j0, hd), a.heads * a.dv, j0 > 0 ? 1.0f : 0.0f, acc, ldacc);
+                        a.V(b, j0, hd), ldv, first ? 0.0f : 1.0f, acc, ldacc);
   }
   for (int64_t r = 0; r < rows; ++r) {
     if (m_out[r] == kNegInf) m_out[r] = 0.0f;  // the backward's exp(s - m) is 0 all the same
@@ -483,58 +502,59 @@ void ForwardBlock(const Attention& a, int64_t b, int64_t hd, int64_t i0, float* 
 
 // ---- backward ------------------------------------------------------------------------------
 
+// One query head's gradients: its dQ rows written, its key head's dK and dV rows (zeroed by
+// the caller, BackwardKeyHead) accumulated.
 WIDEST_VECTORS
 void BackwardHead(const Attention& a, int64_t b, int64_t hd, const float* out, const float* M,
                   const float* L, const float* d_out, float* dq, float* dk, float* dv) {
-  const int64_t ldk = a.heads * a.dk, ldv = a.heads * a.dv;
-  float* dK = dk + (b * a.s * a.heads + hd) * a.dk;
-  float* dV = dv + (b * a.s * a.heads + hd) * a.dv;
-  for (int64_t j = 0; j < a.s; ++j) {
-    std::fill(dK + j * ldk, dK + j * ldk + a.dk, 0.0f);
-    std::fill(dV + j * ldv, dV + j * ldv + a.dv, 0.0f);
-  }
+  const int64_t ldq = a.heads * a.dk, ldo = a.heads * a.dv;
+  const int64_t ldk = a.kv_heads * a.dk, ldv = a.kv_heads * a.dv;
+  float* dK = dk + (b * a.s * a.kv_heads + hd / a.group) * a.dk;
+  float* dV = dv + (b * a.s * a.kv_heads + hd / a.group) * a.dv;
   for (int64_t i0 = 0; i0 < a.t; i0 += a.bq) {
     const int64_t rows = std::min(a.bq, a.t - i0);
-    const int64_t kend = a.Visible(i0 + rows - 1);
+    const int64_t kend = a.Visible(i0 + rows - 1), kbegin = a.Begin(i0);
     float* dQ = dq + ((b * a.t + i0) * a.heads + hd) * a.dk;
     const float* dO = d_out + ((b * a.t + i0) * a.heads + hd) * a.dv;
     const float* O = out + ((b * a.t + i0) * a.heads + hd) * a.dv;
     const float* m = M + (b * a.heads + hd) * a.t + i0;
     const float* l = L + (b * a.heads + hd) * a.t + i0;
-    if (kend == 0) {  // nothing visible: the forward's rows are NaN, so are their gradients
+    if (kend <= kbegin) {  // nothing visible: the forward's rows are NaN, so are their gradients
       for (int64_t r = 0; r < rows; ++r)
-        std::fill(dQ + r * ldk, dQ + r * ldk + a.dk, std::nanf(""));
+        std::fill(dQ + r * ldq, dQ + r * ldq + a.dk, std::nanf(""));
       continue;
     }
     float delta[kMaxRows];  // rowsum(dO * O) per row
     for (int64_t r = 0; r < rows; ++r) {
       float sum = 0.0f;
-      for (int64_t c = 0; c < a.dv; ++c) sum += dO[r * ldv + c] * O[r * ldv + c];
+      for (int64_t c = 0; c < a.dv; ++c) sum += dO[r * ldo + c] * O[r * ldo + c];
       delta[r] = sum;
     }
     // Keys in chunks of bk: the forward's m and l make each chunk's weights final on their own.
-    const int64_t bk = std::min(a.bk, kend), ld = Padded(bk);
+    const int64_t bk = std::min(a.bk, kend - kbegin), ld = Padded(bk);
     float* P = Scratch((2 * rows + 1) * ld);
     float* dP = P + rows * ld;
     float* drop = dP + rows * ld;
-    for (int64_t j0 = 0; j0 < kend; j0 += bk) {
+    for (int64_t j0 = kbegin; j0 < kend; j0 += bk) {
       const int64_t n = std::min(bk, kend - j0), ldn = Padded(n);
+      const bool first = j0 == kbegin;
       if (a.micro) {
-        MicroGemm(rows, ldn, a.dk, a.Q(b, i0, hd), ldk, 1, a.KT(b, hd) + j0, a.sp, P, ldn,
+        MicroGemm(rows, ldn, a.dk, a.Q(b, i0, hd), ldq, 1, a.KT(b, hd) + j0, a.sp, P, ldn,
                   a.scale, false);
-        MicroGemm(rows, ldn, a.dv, dO, ldv, 1, a.VT(b, hd) + j0, a.sp, dP, ldn, 1.0f, false);
+        MicroGemm(rows, ldn, a.dv, dO, ldo, 1, a.VT(b, hd) + j0, a.sp, dP, ldn, 1.0f, false);
       } else {
         scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, n, a.dk, a.scale,
-                          a.Q(b, i0, hd), ldk, a.K(b, j0, hd), ldk, 0.0f, P, ldn);
-        scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, n, a.dv, 1.0f, dO, ldv,
+                          a.Q(b, i0, hd), ldq, a.K(b, j0, hd), ldk, 0.0f, P, ldn);
+        scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, n, a.dv, 1.0f, dO, ldo,
                           a.V(b, j0, hd), ldv, 0.0f, dP, ldn);
       }
       for (int64_t r = 0; r < rows; ++r) {
         float* p = P + r * ldn;
         float* dp = dP + r * ldn;
+        const int64_t begin = std::clamp<int64_t>(a.Begin(i0 + r) - j0, 0, n);
         const int64_t visible = std::clamp<int64_t>(a.Visible(i0 + r) - j0, 0, n);
         const bool* keep = a.mask ? a.MaskRow(b, hd, i0 + r) + j0 * a.mask_stride[3] : nullptr;
-        MaskRow(a, keep, p, visible, ldn);
+        MaskRow(a, keep, p, begin, visible, ldn);
         ExpRow(p, ldn, m[r], 1.0f / l[r]);  // the forward's weights
         std::fill(dp + n, dp + ldn, 0.0f);
         if (a.Dropout()) {
@@ -548,26 +568,41 @@ void BackwardHead(const Attention& a, int64_t b, int64_t hd, const float* out, c
         }
         if (keep) {  // a filled score is a constant: no gradient flows through it
           const int64_t step = a.mask_stride[3];
-          for (int64_t j = 0; j < visible; ++j)
+          for (int64_t j = begin; j < visible; ++j)
             if (!keep[j * step]) dp[j] = 0.0f;
         }
       }
       // dV += (P * D)^T dO;  dQ (+)= dS K * scale;  dK += dS^T Q * scale
       if (a.micro) {
-        MicroGemm(n, a.dv, rows, P, 1, ldn, dO, ldv, dV + j0 * ldv, ldv, 1.0f, true);
-        MicroGemm(rows, a.dk, n, dP, ldn, 1, a.K(b, j0, hd), ldk, dQ, ldk, a.scale, j0 > 0);
-        MicroGemm(n, a.dk, rows, dP, 1, ldn, a.Q(b, i0, hd), ldk, dK + j0 * ldk, ldk, a.scale,
+        MicroGemm(n, a.dv, rows, P, 1, ldn, dO, ldo, dV + j0 * ldv, ldv, 1.0f, true);
+        MicroGemm(rows, a.dk, n, dP, ldn, 1, a.K(b, j0, hd), ldk, dQ, ldq, a.scale, !first);
+        MicroGemm(n, a.dk, rows, dP, 1, ldn, a.Q(b, i0, hd), ldq, dK + j0 * ldk, ldk, a.scale,
                   true);
         continue;  // the BLAS's three products below are the same
       }
       scipy_cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, n, a.dv, rows, 1.0f, P, ldn,
-                        dO, ldv, 1.0f, dV + j0 * ldv, ldv);
+                        dO, ldo, 1.0f, dV + j0 * ldv, ldv);
       scipy_cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, a.dk, n, a.scale, dP,
-                        ldn, a.K(b, j0, hd), ldk, j0 > 0 ? 1.0f : 0.0f, dQ, ldk);
+                        ldn, a.K(b, j0, hd), ldk, first ? 0.0f : 1.0f, dQ, ldq);
       scipy_cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, n, a.dk, rows, a.scale, dP,
-                        ldn, a.Q(b, i0, hd), ldk, 1.0f, dK + j0 * ldk, ldk);
+                        ldn, a.Q(b, i0, hd), ldq, 1.0f, dK + j0 * ldk, ldk);
     }
   }
+}
+
+// One key head's task: its dK and dV rows zeroed, then each of its query heads in turn.
+void BackwardKeyHead(const Attention& a, int64_t b, int64_t kvh, const float* out,
+                     const float* M, const float* L, const float* d_out, float* dq, float* dk,
+                     float* dv) {
+  const int64_t ldk = a.kv_heads * a.dk, ldv = a.kv_heads * a.dv;
+  float* dK = dk + (b * a.s * a.kv_heads + kvh) * a.dk;
+  float* dV = dv + (b * a.s * a.kv_heads + kvh) * a.dv;
+  for (int64_t j = 0; j < a.s; ++j) {
+    std::fill(dK + j * ldk, dK + j * ldk + a.dk, 0.0f);
+    std::fill(dV + j * ldv, dV + j * ldv + a.dv, 0.0f);
+  }
+  for (int64_t hd = kvh * a.group; hd < (kvh + 1) * a.group; ++hd)
+    BackwardHead(a, b, hd, out, M, L, d_out, dq, dk, dv);
 }
 
 // Whether the products run on the micro-kernel, head dims aside. The call's `products` attribute
@@ -590,9 +625,12 @@ ffi::Error Decode(Attention& a, F32x4 q, F32x4 k, F32x4 v, Mask mask, Offset off
                   Index batch_index, Index head_index, const Options& o) {
   auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), md = mask.dimensions();
   a.batch = qd[0], a.t = qd[1], a.heads = qd[2], a.dk = qd[3], a.s = kd[1], a.dv = vd[3];
-  if (kd[0] != a.batch || vd[0] != a.batch || kd[2] != a.heads || vd[2] != a.heads ||
-      kd[3] != a.dk || vd[1] != a.s)
+  a.kv_heads = kd[2];
+  if (kd[0] != a.batch || vd[0] != a.batch || vd[2] != a.kv_heads || a.kv_heads == 0 ||
+      a.heads % a.kv_heads != 0 || kd[3] != a.dk || vd[1] != a.s)
     return ffi::Error::InvalidArgument("native attention: q, k, v shapes disagree");
+  a.group = a.heads / a.kv_heads;
+  a.window = o.window;
   if (batch_index.dimensions()[0] != a.batch || head_index.dimensions()[0] != a.heads)
     return ffi::Error::InvalidArgument("native attention: batch_index must hold b numbers, head_index h");
   const int64_t full[4] = {a.batch, a.heads, a.t, a.s};
@@ -650,12 +688,13 @@ float* Borrow(size_t n, Transposed& t) {
 
 void TransposeHeads(ffi::ThreadPool& pool, Attention& a, bool values, Transposed& transposed) {
   const int64_t per_head = (a.dk + (values ? a.dv : 0)) * a.sp;
-  float* kt = Borrow(a.batch * a.heads * per_head, transposed);
-  float* vt = kt + a.batch * a.heads * a.dk * a.sp;
-  ParallelFor(pool, a.batch * a.heads, [&](int64_t bh) {
-    const int64_t b = bh / a.heads, hd = bh % a.heads;
-    Transpose(a.K(b, 0, hd), a.s, a.dk, a.heads * a.dk, kt + bh * a.dk * a.sp, a.sp);
-    if (values) Transpose(a.V(b, 0, hd), a.s, a.dv, a.heads * a.dv, vt + bh * a.dv * a.sp, a.sp);
+  float* kt = Borrow(a.batch * a.kv_heads * per_head, transposed);
+  float* vt = kt + a.batch * a.kv_heads * a.dk * a.sp;
+  ParallelFor(pool, a.batch * a.kv_heads, [&](int64_t bh) {  // per key head
+    const int64_t b = bh / a.kv_heads, hd = bh % a.kv_heads * a.group;  // its first query head
+    const int64_t ldk = a.kv_heads * a.dk, ldv = a.kv_heads * a.dv;
+    Transpose(a.K(b, 0, hd), a.s, a.dk, ldk, kt + bh * a.dk * a.sp, a.sp);
+    if (values) Transpose(a.V(b, 0, hd), a.s, a.dv, ldv, vt + bh * a.dv * a.sp, a.sp);
   });
   a.kt = kt;
   a.vt = values ? vt : nullptr;
@@ -691,10 +730,10 @@ ffi::Error Backward(ffi::ThreadPool pool, F32x4 q, F32x4 k, F32x4 v, Mask mask, 
     return e;
   Transposed transposed;  // released when the call returns
   if (a.micro) TransposeHeads(pool, a, true, transposed);
-  ParallelFor(pool, a.batch * a.heads, [&](int64_t bh) {
-    BackwardHead(a, bh / a.heads, bh % a.heads, out.typed_data(), m.typed_data(),
-                 l.typed_data(), d_out.typed_data(), dq->typed_data(), dk->typed_data(),
-                 dv->typed_data());
+  ParallelFor(pool, a.batch * a.kv_heads, [&](int64_t bh) {
+    BackwardKeyHead(a, bh / a.kv_heads, bh % a.kv_heads, out.typed_data(), m.typed_data(),
+                    l.typed_data(), d_out.typed_data(), dq->typed_data(), dk->typed_data(),
+                    dv->typed_data());
   });
   return ffi::Error::Success();
 }
