@@ -12,7 +12,7 @@ configuration. Sections:
   ``time / torch-eager`` and ``time / torch-SDPA`` from the same run.
 - ``memory``: peak RSS growth of one forward and of one training step with dropout (compile
   included) in a fresh subprocess each.
-- ``decode``: tokens/s of ``flax_attention.generate`` against a torch KV-cache loop and against
+- ``decode``: tokens/s of ``flax_attention.decode_loop`` against a torch KV-cache loop and against
   recomputing the full causal pass per token; per-token time early vs late in the cache.
 - ``compile``: ``jax.jit(f).lower(...).compile()`` wall time of the GPT-2 small forward.
 - ``generate``: the whole model, ``flax_attention.models.generate`` on a ``GPTModel`` against

@@ -1,7 +1,7 @@
 """Section ``decode``: generating ``steps`` tokens after a ``prompt``-token prompt.
 
 - ``flax`` ``generate``: ``module.init_cache(b, prompt + steps)`` then
-  ``flax_attention.generate(module, prompt, steps)`` (one jitted ``lax.scan``, each output fed
+  ``flax_attention.decode_loop(module, prompt, steps)`` (one jitted ``lax.scan``, each output fed
   back as the next input; ``d_in == d_out``). Timed per call, cache allocation included.
 - ``torch`` ``kv_cache``: ``benchmarks.models.torch_generate``, the same loop in Python over a
   preallocated torch KV cache, ``torch.no_grad()``, the same weights. Its outputs are the
@@ -70,7 +70,7 @@ def _run_batch(config, batch, progress):
 
     def flax_generate():
         module.init_cache(batch, max_length)
-        return fa.generate(module, prompt_jax, steps)  # (b, steps + 1, d_out)
+        return fa.decode_loop(module, prompt_jax, steps)  # (b, steps + 1, d_out)
 
     def torch_kv():
         return torch_generate(eager, prompt_torch, steps, max_length)
@@ -142,12 +142,12 @@ def _flatness_rows(config, module, batch, max_length, row, progress):
         module.init_cache(batch, max_length)
         _advance(module, random_input(batch, position, seed=4))
         snapshot = jax.tree.map(lambda a: a, nnx.state(module, nnx.Cache))  # a copy
-        fa.generate(module, one, flat - 1)  # compile (once: same shapes at every position)
+        fa.decode_loop(module, one, flat - 1)  # compile (once: same shapes at every position)
         _tick(progress)
 
         def from_position(snapshot=snapshot):
             nnx.update(module, snapshot)
-            return fa.generate(module, one, flat - 1)
+            return fa.decode_loop(module, one, flat - 1)
 
         timing = time_calls(from_position, config.decode_repeats)
         _tick(progress, config.decode_repeats)

@@ -5,7 +5,7 @@ weights.
 - ``SDPAMultiHeadAttention``: the same module and ``state_dict``, its core replaced by
   ``torch.nn.functional.scaled_dot_product_attention(..., is_causal=True)``.
 - ``TorchKVCache``: a decode loop for the torch module (projected keys/values appended per step,
-  each new query attends to the cache), the torch counterpart of ``flax_attention.generate``.
+  each new query attends to the cache), the torch counterpart of ``flax_attention.decode_loop``.
 - ``make_modules``: the torch modules and the Flax module holding the torch weights.
 - ``loaded``: a Flax module holding given weights, built without drawing the ones it replaces.
 
@@ -42,7 +42,7 @@ GPT2 = dict(d_in=768, d_out=768, context_length=1024, dropout=0.0, num_heads=12,
 @torch.no_grad()
 def torch_generate(mha, prompt, num_steps: int, max_length: int):
     """Prefill ``prompt`` ``(b, t, d_in)`` then ``num_steps`` steps feeding each output back, as
-    ``flax_attention.generate``: returns ``(b, num_steps + 1, d_out)``."""
+    ``flax_attention.decode_loop``: returns ``(b, num_steps + 1, d_out)``."""
     cache = TorchKVCache(mha, prompt.shape[0], max_length)
     y = cache(prompt)[:, -1:]  # (b, 1, d_out)
     outputs = [y]

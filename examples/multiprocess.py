@@ -23,7 +23,7 @@ process from the same seeds and files, each feeding and holding only its own sha
   ``Auto`` axes: the output, the gradients of every parameter and of the input, and the
   kernel's dropout keep-mask (read back through zero queries and one-hot values, an
   ``nnx.Dropout`` placed on the mesh);
-- ``decode[explicit]``: ``fa.generate``, prefill and decode steps through the placed cache;
+- ``decode[explicit]``: ``fa.decode_loop``, prefill and decode steps through the placed cache;
 - ``gpt ...``: the book's ``GPTModel`` (its weights loaded into an abstract model placed by
   ``fa.shard``) trained 3 steps with ``optax.adamw`` (chapter 5's lr 4e-4, weight decay 0.1) by
   ``flax_attention.models.train_step`` on a global batch fed with ``fa.sharding.global_batch``:
@@ -189,12 +189,12 @@ def layer_case(kernel: str, mesh) -> dict:
 
 
 def decode_case(mesh) -> np.ndarray:
-    """``fa.generate``: a 3-token prompt, then 4 steps fed back through the decode cache."""
+    """``fa.decode_loop``: a 3-token prompt, then 4 steps fed back through the decode cache."""
     layer = fa.MultiHeadAttention(D, D, T, 0.0, num_heads=HEADS, rngs=nnx.Rngs(4))
     layer.eval()
     placed(layer, mesh).init_cache(B)  # placed on the mesh with the parameters
     with in_mesh(mesh):
-        return to_host(fa.generate(layer, feed(rows(5, (B, 3, D)), mesh), 4), mesh)
+        return to_host(fa.decode_loop(layer, feed(rows(5, (B, 3, D)), mesh), 4), mesh)
 
 
 def tokens(seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -468,7 +468,7 @@ def compare(out_dir) -> dict[str, dict]:
             add(f"{label} forward", pairs(f"{label} out"))
             add(f"{label} gradients", pairs(f"{label} grad "))
             add(f"{label} keep-mask", pairs(f"{label} keepmask"), exact=True)
-    add("decode[explicit] fa.generate", pairs("decode[explicit]"))
+    add("decode[explicit] fa.decode_loop", pairs("decode[explicit]"))
     add("gpt adamw losses", pairs("gpt loss "))
     add("gpt parameters after adamw", pairs("gpt param "))
     add("gpt state_dict after adamw", pairs("gpt state_dict "))

@@ -9,7 +9,7 @@ places a layer on a device mesh (``flax_attention.sharding``; the mesh-axis voca
 """
 
 from flax_attention.annotated import MultiHeadedAttention, ProjectedKV, attention, clones
-from flax_attention.cache import generate
+from flax_attention.cache import decode_loop
 from flax_attention.causal import (
     CausalAttention,
     MultiHeadAttentionWrapper,
@@ -67,7 +67,7 @@ __all__ = [
     "dot_product_attention",
     "select_implementation",
     "ProjectedKV",
-    "generate",
+    "decode_loop",
     "IncompatibleKeys",
     "load_state_dict",
     "state_dict",

@@ -12,14 +12,14 @@ values; ``flax_attention.models.annotated``) decode on it. A layer with a cache 
 The layer declares all three in ``__init__`` as ``None`` and ``init_cache`` fills them from
 ``new_cache``; ``__call__(x, decode=True)`` (the ``DecoderLayer``'s ``step``) passes them to
 ``append``. What this module reads of
-a layer is the ``Decoder`` protocol below: those variables, ``context_length`` (the longest
+a layer is the ``DecodingLayer`` protocol below: those variables, ``context_length`` (the longest
 cache) and ``cache_dtype`` (the cache's default dtype); it knows no layer class. What a model
 reads of its layers' caches goes through the layers' own methods: ``clear_cache()``,
 ``cached_length()`` (the next token's position) and ``cache_capacity()`` (``max_length``), and
 a model's blocks answer for their attention's the same way (``TransformerBlock``, the
 encoder-decoder's ``Decoder``): a model never reads a layer's attributes for its cache.
 
-Every decode loop of the package (``generate`` here, ``flax_attention.models.generate``, the
+Every decode loop of the package (``decode_loop`` here, ``flax_attention.models.generate``, the
 Annotated Transformer's ``greedy_decode``) and the benchmarks' loops run one step the same way,
 ``decode_step``: the module merged from its weights (loop constants) and its state (the caches,
 RNG counts: what travels), one forward pass with the caches, the last new token's row, and the
@@ -65,10 +65,10 @@ from flax_attention.mesh import (
 
 __all__ = [
     "CachedLayer",
-    "Decoder",
+    "DecodingLayer",
     "append",
     "decode_step",
-    "generate",
+    "decode_loop",
     "new_cache",
     "padded_positions",
     "poison_unless",
@@ -77,7 +77,7 @@ __all__ = [
 
 
 @runtime_checkable
-class Decoder(Protocol):
+class DecodingLayer(Protocol):
     """A layer with a decode cache: the three variables (``None`` until ``init_cache``),
     ``context_length`` (the longest cache), ``cache_dtype`` (the cache's default dtype: the
     layer's computation dtype), ``init_cache``, and the methods a model asks its layers through
@@ -128,12 +128,12 @@ class CachedLayer:
         return self.W_query.dtype or self.W_query.param_dtype
 
 
-def clear_cache(layer: Decoder) -> None:
+def clear_cache(layer: DecodingLayer) -> None:
     """Drop ``layer``'s decode cache: its three variables back to ``None``, as in a new layer."""
     layer.cached_key = layer.cached_value = layer.cache_index = None
 
 
-def cached_length(layer: Decoder) -> jax.Array:
+def cached_length(layer: DecodingLayer) -> jax.Array:
     """How many tokens ``layer``'s cache holds, the position of the next one: an int32 scalar
     (traced inside ``jit``). No cache raises ``ValueError``."""
     if layer.cache_index is None:
@@ -141,7 +141,7 @@ def cached_length(layer: Decoder) -> jax.Array:
     return layer.cache_index[...]
 
 
-def cache_capacity(layer: Decoder) -> int | None:
+def cache_capacity(layer: DecodingLayer) -> int | None:
     """The tokens ``layer``'s cache holds at most (its ``max_length``); ``None`` without one."""
     return None if layer.cached_key is None else layer.cached_key.shape[-2]
 
@@ -186,11 +186,11 @@ def new_cache(
 
 
 def install_cache(
-    layer: Decoder, batch_size, max_length, dtype, *, heads: int, head_dim: int
+    layer: DecodingLayer, batch_size, max_length, dtype, *, heads: int, head_dim: int
 ) -> None:
-    """``new_cache`` for a ``Decoder`` (``context_length``, ``cache_dtype``, the three declared
-    cache variables): placed on the layer's mesh if its parameters are sharded, then set on it.
-    ``dtype`` defaults to the layer's ``cache_dtype``."""
+    """``new_cache`` for a ``DecodingLayer`` (``context_length``, ``cache_dtype``, the three
+    declared cache variables): placed on the layer's mesh if its parameters are sharded, then
+    set on it. ``dtype`` defaults to the layer's ``cache_dtype``."""
     cache = new_cache(
         batch_size,
         max_length,
@@ -305,12 +305,12 @@ def decode_step(graphdef, weights, state, forward, *inputs, head=None, weights_f
 
 
 def _decode(module, x):
-    """``generate``'s forward: the layer (or any module) on ``x`` with its cache."""
+    """``decode_loop``'s forward: the layer (or any module) on ``x`` with its cache."""
     return module(x, decode=True)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4, 5))
-def _generate(graphdef, params, state, prompt, num_steps, next_input):
+def _decode_loop(graphdef, params, state, prompt, num_steps, next_input):
     """The parameters go in only; the rest (the caches, any RNG state) goes in and comes out.
     Returning the parameters too would copy them on every call and hand back committed arrays
     where the caller's were not, which compiles the function a second time."""
@@ -329,7 +329,7 @@ def _identity(y):
     return y
 
 
-def generate(module, prompt, num_steps: int, next_input=_identity):
+def decode_loop(module, prompt, num_steps: int, next_input=_identity):
     """Prefill the cache with ``prompt`` and run ``num_steps`` decode steps, all in one ``jit``.
 
     ``module``'s cache must be initialised (``init_cache``); each step feeds
@@ -341,7 +341,7 @@ def generate(module, prompt, num_steps: int, next_input=_identity):
     Returns ``(..., num_steps + 1, d_out)``: the prompt's last output, then one per step.
     """
     check_positive_int("num_steps", num_steps)
-    layers = [node for _, node in nnx.iter_graph(module) if isinstance(node, Decoder)]
+    layers = [node for _, node in nnx.iter_graph(module) if isinstance(node, DecodingLayer)]
     if not layers or any(layer.cache_capacity() is None for layer in layers):
         raise ValueError("module must have a decode cache (call init_cache(batch_size) first)")
     for layer in layers:
@@ -353,6 +353,6 @@ def generate(module, prompt, num_steps: int, next_input=_identity):
                 f"{num_steps}) must not exceed the cache's max_length ({max_length})"
             )
     graphdef, params, state = split_for_decode(module)
-    state, ys = _generate(graphdef, params, state, prompt, num_steps, next_input)
+    state, ys = _decode_loop(graphdef, params, state, prompt, num_steps, next_input)
     nnx.update(module, state)
     return jnp.moveaxis(ys, 0, -2)  # (..., num_steps + 1, d_out)

@@ -217,7 +217,7 @@ _ROWS = [
     ),
     Row(
         "generate",
-        fa.generate,
+        fa.decode_loop,
         lambda: {
             "module": fa.MultiHeadAttention(4, 4, 4, 0.0, 2, rngs=_rngs()),
             "prompt": _x(1, 4),

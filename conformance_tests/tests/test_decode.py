@@ -228,7 +228,7 @@ def test_a_layer_answers_for_its_cache_through_its_own_methods(name):
     default: the computation dtype) and ``clear_cache``; the wrapper clears every head."""
     layer = _layer(name)
     heads = list(layer.heads) if name == "wrapper" else [layer]
-    assert all(isinstance(head, fa.cache.Decoder) for head in heads)
+    assert all(isinstance(head, fa.cache.DecodingLayer) for head in heads)
     assert all(head.cache_capacity() is None for head in heads)
     with pytest.raises(ValueError, match=r"^decode \(True\) needs a decode cache"):
         heads[0].cached_length()
@@ -255,7 +255,7 @@ def test_generate_equals_the_full_pass_over_its_own_outputs(name):
     prompt = _x(2, 4, seed=4)
     with jax.default_matmul_precision("highest"):
         layer.init_cache(2)
-        ys = fa.generate(layer, prompt, 6)  # (2, 7, 8): prompt's last output + 6 steps
+        ys = fa.decode_loop(layer, prompt, 6)  # (2, 7, 8): prompt's last output + 6 steps
         sequence = jnp.concatenate([prompt, ys[:, :-1]], axis=1)  # what the layer was fed
         full = _layer(name)(sequence)
     assert ys.shape == (2, 7, 8)
@@ -264,9 +264,9 @@ def test_generate_equals_the_full_pass_over_its_own_outputs(name):
     caches = [layer] if name != "wrapper" else list(layer.heads)
     assert all(int(c.cache_index[...]) == 10 for c in caches)
     with pytest.raises(ValueError, match=r"\(10 \+ 4 \+ 6\) must not exceed the cache's"):
-        fa.generate(layer, prompt, 6)
+        fa.decode_loop(layer, prompt, 6)
     with pytest.raises(ValueError, match="must have a decode cache"):
-        fa.generate(_layer(name), prompt, 2)
+        fa.decode_loop(_layer(name), prompt, 2)
 
 
 def test_generate_fills_the_cache_exactly_and_refuses_one_step_more():
@@ -276,7 +276,7 @@ def test_generate_fills_the_cache_exactly_and_refuses_one_step_more():
     prompt = _x(1, 4, seed=5)
     with jax.default_matmul_precision("highest"):
         layer.init_cache(1, max_length=10)
-        ys = fa.generate(layer, prompt, 6)  # (1, 7, 8)
+        ys = fa.decode_loop(layer, prompt, 6)  # (1, 7, 8)
         full = _layer("mha")(jnp.concatenate([prompt, ys[:, :-1]], axis=1))  # (1, 10, 8)
     assert int(layer.cache_index[...]) == 10
     diff = _max_diff(ys, full[:, 3:])
@@ -284,17 +284,17 @@ def test_generate_fills_the_cache_exactly_and_refuses_one_step_more():
     layer.init_cache(1, max_length=10)
     message = r"\(0 \+ 4 \+ 7\) must not exceed the cache's max_length \(10\)"
     with pytest.raises(ValueError, match=message):
-        fa.generate(layer, prompt, 7)
+        fa.decode_loop(layer, prompt, 7)
 
 
 def test_generate_does_not_recompile_for_a_new_cache_of_the_same_shape():
     layer = _layer("mha")
     prompt = _x(1, 3)
     layer.init_cache(1)
-    fa.generate(layer, prompt, 4)
+    fa.decode_loop(layer, prompt, 4)
     before = fa.cache._generate._cache_size()
     layer.init_cache(1)
-    fa.generate(layer, _x(1, 3, seed=9), 4)
+    fa.decode_loop(layer, _x(1, 3, seed=9), 4)
     assert fa.cache._generate._cache_size() == before
 
 
@@ -315,7 +315,7 @@ def test_generate_compiles_once_from_a_fresh_layer_with_an_rng_stream(caplog):
         for seed in (1, 2, 3):
             caplog.clear()
             layer.init_cache(1)
-            outputs.append(fa.generate(layer, _x(1, 3, seed=seed), 4))
+            outputs.append(fa.decode_loop(layer, _x(1, 3, seed=seed), 4))
             messages = [r.getMessage() for r in caplog.records]
             compiles.append(sum("Compiling jit(_generate)" in m for m in messages))
     assert compiles == [1, 0, 0], compiles
@@ -362,7 +362,7 @@ def test_the_encoder_decoders_decode_cache_is_the_causal_layers_cache():
     model, src, mask = _encoder_decoder()
     model.init_cache(2, max_length=6)
     layers = list(model.decoder.layers)
-    assert all(isinstance(layer, fa.cache.Decoder) for layer in layers)
+    assert all(isinstance(layer, fa.cache.DecodingLayer) for layer in layers)
     paths = {".".join(map(str, p)) for p, _ in nnx.to_flat_state(nnx.state(model, nnx.Cache))}
     assert paths == {
         f"decoder.layers.{i}.{name}"

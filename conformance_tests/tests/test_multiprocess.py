@@ -48,7 +48,7 @@ for _kernel in EXAMPLE["KERNELS"]:
         CASES[f"{_label} keep-mask"] = True
 CASES.update(
     {
-        "decode[explicit] fa.generate": False,
+        "decode[explicit] fa.decode_loop": False,
         "gpt adamw losses": False,
         "gpt parameters after adamw": False,
         "gpt state_dict after adamw": False,
