@@ -1,4 +1,4 @@
-"""Initialisers that draw from torch's default distributions, and the shared Linear factory.
+"""Initialisers that draw from torch's default distributions, with their partition metadata.
 
 - ``nn.Linear(fan_in, fan_out)``: weight and bias uniform in ``[-1/sqrt(fan_in), 1/sqrt(fan_in))``
   (torch's ``kaiming_uniform_(a=sqrt(5))`` and its bias rule).
@@ -9,33 +9,21 @@ Every parameter also carries its mesh axes as NNX partition metadata (``out_shar
 
 The draws follow the same distributions, not the same numbers: JAX and torch have different
 random generators. Weights that must match exactly cross over with ``load_state_dict``.
+
+What the layers are built of (the Linear factory, ``Embed``, ``Dropout``, the row-parallel
+product) is ``flax_attention._layers``; this module runs at construction only.
 """
 
 from __future__ import annotations
-
-import functools
-import math
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from flax_attention.mesh import (
-    LinearAxes,
-    lookup_sharding,
-    reduced_sharding,
-    spec_of,
-    unsplit,
-)
+from flax_attention.mesh import LinearAxes
 
 __all__ = [
-    "NARROW_ROWS",
-    "Dropout",
-    "Embed",
-    "linear_factory",
-    "narrow_product_ok",
     "partitioned",
-    "rows_dot_general",
     "set_linear_axes",
     "torch_linear_bias_init",
     "torch_linear_kernel_init",
@@ -73,177 +61,4 @@ def set_linear_axes(linear: nnx.Linear, axes: LinearAxes) -> nnx.Linear:
     linear.kernel.set_metadata(out_sharding=tuple(axes.kernel), eager_sharding=False)
     if linear.bias is not None:
         linear.bias.set_metadata(out_sharding=tuple(axes.bias), eager_sharding=False)
-    return linear
-
-
-#: The most rows a product sends to the narrow-weight kernel (``kernels.native.narrow``): a
-#: decode step's batch. Longer products (prefill, training) are XLA's.
-NARROW_ROWS = 16
-#: The weights the narrow-weight kernel reads at their own width.
-_NARROW_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.int8))
-
-
-def narrow_product_ok(rows: int, weight) -> bool:
-    """Whether a product of ``rows`` rows with ``weight`` runs on the narrow-weight kernel: a
-    bfloat16 or int8 weight at up to ``NARROW_ROWS`` rows, on the CPU with the kernel built,
-    outside any mesh (a custom call would gather a sharded weight onto every device)."""
-    if not 1 <= rows <= NARROW_ROWS or weight.ndim != 2:
-        return False
-    if jnp.dtype(weight.dtype) not in _NARROW_DTYPES:
-        return False  # float32: XLA's products (the kernel's float32 path is for the benchmarks)
-    if jax.default_backend() != "cpu" or not jax.sharding.get_abstract_mesh().empty:
-        return False
-    from flax_attention.kernels.native import narrow
-
-    return narrow.available()
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _narrow(rows, weight, nk: bool):
-    """``rows (m, k) @ weight`` (``(k, n)``, or ``(n, k)`` with ``nk``) on the narrow kernel,
-    float32; its gradient is XLA's products of the same operands."""
-    from flax_attention.kernels.native import narrow
-
-    return narrow.matmul(rows, weight, nk=nk)
-
-
-def _narrow_fwd(rows, weight, nk):
-    return _narrow(rows, weight, nk), (rows, weight)
-
-
-def _narrow_bwd(nk, residuals, d_out):
-    rows, weight = residuals
-    w, x = weight.astype(jnp.float32), rows.astype(jnp.float32)
-    d_out = d_out.astype(jnp.float32)  # (m, n)
-    d_rows = d_out @ (w if nk else w.T)  # (m, k)
-    d_weight = d_out.T @ x if nk else x.T @ d_out  # as weight
-    return d_rows.astype(rows.dtype), d_weight.astype(weight.dtype)
-
-
-_narrow.defvjp(_narrow_fwd, _narrow_bwd)
-
-
-class Embed(nnx.Embed):
-    """``nnx.Embed`` whose lookup, on an ``Explicit`` mesh, is laid out like its ids, features
-    whole (``jnp.take`` cannot tell on its own when the ids are split over ``data``), unless
-    ``out_sharding`` is given: the models' embeddings name no layout, as the Linears name none
-    (``rows_dot_general``)."""
-
-    def __call__(self, inputs, out_sharding=None):
-        if out_sharding is None and not jax.sharding.get_abstract_mesh().empty:
-            out_sharding = lookup_sharding(inputs)
-        return super().__call__(inputs, out_sharding=out_sharding)
-
-
-class Dropout(nnx.Dropout):
-    """``nnx.Dropout`` with the same keep-mask, drawn flat: ``bernoulli(key, 1 - rate,
-    (x.size,))`` reshaped to ``x.shape``. Threefry draws a shape's bits as the flat draw of its
-    size, reshaped (either way ``jax_threefry_partitionable`` is set), so these are the bits
-    ``nnx.Dropout`` draws for ``x.shape``, bit for bit; XLA's CPU backend compiles the flat draw
-    several times faster (its multi-dimensional index arithmetic is what takes long; the
-    measurements: docs/performance.md).
-
-    ``nnx.Dropout``'s own call runs where the flat draw could lay the mask out differently
-    (a mesh set, or inputs split over mesh axes), with ``broadcast_dims``, for a key of another
-    generator than Threefry, and where it draws nothing (deterministic, rate 0 or 1)."""
-
-    def __call__(self, inputs, *, deterministic=None, rngs=None):
-        deterministic = self.deterministic if deterministic is None else deterministic
-        if (
-            deterministic is not False
-            or not 0.0 < self.rate < 1.0
-            or self.broadcast_dims
-            or not unsplit(inputs)
-        ):
-            return super().__call__(inputs, deterministic=deterministic, rngs=rngs)
-        stream = self.rngs if rngs is None else rngs
-        if isinstance(stream, nnx.Rngs):
-            stream = stream[self.rng_collection]
-        if isinstance(stream, nnx.RngStream):
-            key = stream()
-        elif isinstance(stream, jax.Array):
-            key = stream
-        else:  # nnx.Dropout's own error
-            return super().__call__(inputs, deterministic=deterministic, rngs=rngs)
-        if str(jax.random.key_impl(key)) != "threefry2x32":
-            return super().__call__(inputs, deterministic=deterministic, rngs=key)
-        keep_prob = 1.0 - self.rate
-        keep = jax.random.bernoulli(key, keep_prob, (math.prod(inputs.shape),))
-        keep = keep.reshape(inputs.shape)
-        return jax.lax.select(keep, inputs / keep_prob, jnp.zeros_like(inputs))
-
-
-def rows_dot_general(lhs, rhs, dimension_numbers, precision=None, **options):
-    """``jax.lax.dot_general`` for ``nnx.Linear`` and the tied head: ``x (..., d_in) @ kernel
-    (d_in, d_out)`` (or ``@ table.T`` for a ``(d_out, d_in)`` table) as one ``(rows, d_in)``
-    product on ``x`` flattened to rows, then reshaped back; the same numbers, and the same call
-    as ``dot_general`` where the leading axes carry sharding in their type (an ``Explicit``
-    mesh), ``out_sharding`` is given, or the contraction is another one. On an ``Explicit``
-    mesh a product over features split across a mesh axis gets its ``out_sharding`` here
-    (``flax_attention.mesh.reduced_sharding``), so the layers name none.
-
-    Why: the kernel's gradient of the ``(b, t, d_in)`` product is a contraction over two axes,
-    and XLA's CPU compiler transposes the incoming gradient for it; in a deep model that
-    transpose fuses the residual stream's whole chain of gradient additions, recomputed per
-    layer (quadratic in depth), and for the tied head it copies the ``(b * t, V)`` gradient of
-    the logits. On rows the same gradient is one plain product, no transpose (the measurements:
-    docs/performance.md, "Where a training step's time goes").
-
-    A decode step's few rows (``narrow_product_ok``) go to the narrow-weight kernel, which reads
-    a bfloat16 or int8 matrix at its own width (XLA widens it to float32 in memory first); the
-    result is float32 rounded to the product's dtype."""
-    (lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch) = dimension_numbers
-    rows_by_matrix = (  # x (..., d_in) @ a 2-D weight, over x's last axis
-        lhs.ndim >= 2
-        and rhs.ndim == 2
-        and not lhs_batch
-        and not rhs_batch
-        and tuple(lhs_contracting) == (lhs.ndim - 1,)
-    )
-    no_mesh = jax.sharding.get_abstract_mesh().empty
-    if rows_by_matrix and not no_mesh and options.get("out_sharding") is None:
-        options["out_sharding"] = reduced_sharding(lhs, rhs, rhs_contracting)
-    plain = (
-        rows_by_matrix
-        and options.get("out_sharding") is None
-        and (no_mesh or not any(spec_of(lhs)))
-    )
-    narrow = plain and jnp.dtype(rhs.dtype) in _NARROW_DTYPES  # else XLA's, as every float32
-    rows_count = math.prod(lhs.shape[:-1])
-    if not plain or (lhs.ndim == 2 and not (narrow and narrow_product_ok(rows_count, rhs))):
-        return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision, **options)
-    options.pop("out_sharding", None)
-    rows = lhs.reshape(-1, lhs.shape[-1])  # (rows, d_in)
-    if narrow and narrow_product_ok(rows_count, rhs):
-        dtype = options.get("preferred_element_type") or jnp.result_type(lhs, rhs)
-        out = _narrow(rows, rhs, tuple(rhs_contracting) == (1,)).astype(dtype)  # (rows, d_out)
-    else:
-        out = jax.lax.dot_general(
-            rows, rhs, (((1,), rhs_contracting), ((), ())), precision=precision, **options
-        )  # (rows, d_out)
-    return out.reshape(*lhs.shape[:-1], out.shape[-1])  # (..., d_out)
-
-
-def linear_factory(*, dtype, param_dtype, precision, rngs: nnx.Rngs):
-    """``linear(d_in, d_out, use_bias=..., axes=...)``: an ``nnx.Linear`` with torch's
-    initialisers and the layer's Flax options, so every sublayer gets ``dtype``, ``param_dtype``
-    and ``precision``. ``axes`` (a ``mesh.LinearAxes``, e.g. ``TO_HEADS`` or ``FROM_HEADS``)
-    becomes the kernel's and bias's partition metadata. Its product is ``rows_dot_general``."""
-
-    def linear(
-        in_features: int, out_features: int, *, use_bias: bool = True, axes: LinearAxes
-    ) -> nnx.Linear:
-        return nnx.Linear(
-            in_features,
-            out_features,
-            use_bias=use_bias,
-            kernel_init=partitioned(torch_linear_kernel_init, axes.kernel),
-            bias_init=partitioned(torch_linear_bias_init(in_features), axes.bias),
-            dtype=dtype,
-            param_dtype=param_dtype,
-            precision=precision,
-            dot_general=rows_dot_general,
-            rngs=rngs,
-        )
-
     return linear

@@ -18,12 +18,13 @@ from flax_attention._checks import (
     check_positive_int,
     check_splits_over_heads,
 )
-from flax_attention._init import Dropout, linear_factory, set_linear_axes
+from flax_attention._init import set_linear_axes
 from flax_attention._inputs import (
     check_annotated_inputs,
     check_array,
     check_projected_inputs,
 )
+from flax_attention._layers import Dropout, linear_factory
 from flax_attention.core import (
     AttentionMask,
     BlockSizes,

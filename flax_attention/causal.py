@@ -14,8 +14,8 @@ from flax import nnx
 
 from flax_attention import cache as decode_cache
 from flax_attention._checks import check_dropout, check_positive_int, check_splits_over_heads
-from flax_attention._init import Dropout, linear_factory
 from flax_attention._inputs import check_causal_input, check_d_key
+from flax_attention._layers import Dropout, linear_factory
 from flax_attention.core import (
     AttentionMask,
     BlockSizes,

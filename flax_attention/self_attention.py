@@ -13,8 +13,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from flax_attention._checks import check_positive_int
-from flax_attention._init import linear_factory, partitioned, torch_rand
+from flax_attention._init import partitioned, torch_rand
 from flax_attention._inputs import check_array, check_input
+from flax_attention._layers import linear_factory
 from flax_attention.core import attend, masked_softmax
 from flax_attention.mesh import ONE_HEAD, TO_HEADS, constrain
 

@@ -11,7 +11,7 @@ from flax import nnx
 
 import flax_attention as fa
 from flax_attention import models
-from flax_attention._init import Dropout
+from flax_attention._layers import Dropout
 
 
 def _draw_shapes(fn, *args) -> list[tuple[int, ...]]:

@@ -16,7 +16,7 @@ from flax import nnx
 import flax_attention as fa
 from conformance_tests import book_gpt
 from flax_attention import models
-from flax_attention._init import NARROW_ROWS
+from flax_attention._layers import NARROW_ROWS
 from flax_attention.kernels.native import narrow
 from flax_attention.models import quantized as quantized_module
 from flax_attention.models.checkpoints import new_model

@@ -193,7 +193,7 @@ def test_a_leaky_causal_mask_fails_the_mask_check(monkeypatch, tmp_path):
 
 @pytest.mark.usefixtures("fresh_traces")
 def test_a_bad_dropout_scale_fails_the_dropout_check(monkeypatch, tmp_path):
-    from flax_attention._init import Dropout  # the layers' nnx.Dropout
+    from flax_attention._layers import Dropout  # the layers' nnx.Dropout
 
     original = Dropout.__call__
 

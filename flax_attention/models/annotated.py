@@ -66,7 +66,7 @@ from flax_attention._checks import (
     check_positive_int,
     check_rate,
 )
-from flax_attention._init import Dropout, Embed, linear_factory
+from flax_attention._layers import Dropout, Embed, linear_factory
 from flax_attention.annotated import MultiHeadedAttention, ProjectedKV
 from flax_attention.cache import (
     CachedLayer,

@@ -52,7 +52,7 @@ import numpy as np
 from flax import nnx
 
 from flax_attention._checks import check_instance, check_int
-from flax_attention._init import linear_factory
+from flax_attention._layers import linear_factory
 from flax_attention.models._modes import in_eval_mode
 from flax_attention.models.gpt import _REPLICATED, GPTModel, describe_head, head_outputs
 from flax_attention.models.training import (

@@ -43,8 +43,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from flax_attention._checks import check_bool, check_positive_int, check_rate
-from flax_attention._init import Dropout, Embed, linear_factory, rows_dot_general
 from flax_attention._inputs import check_model_inputs
+from flax_attention._layers import Dropout, Embed, linear_factory, rows_dot_general
 from flax_attention.cache import padded_positions
 from flax_attention.core import Implementation
 from flax_attention.layouts import ModelNames, Names, gpt_model_names, register

@@ -55,7 +55,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from flax_attention._checks import check_instance, check_positive_int, check_real
-from flax_attention._init import rows_dot_general
+from flax_attention._layers import rows_dot_general
 from flax_attention.layouts import Names, register
 
 __all__ = [

@@ -7,7 +7,7 @@ output feature (symmetric: ``scale = max|w| / 127`` over that feature's weights,
 round(w / scale)``; a feature of zeros gets scale 1). Activations, biases, norms, the positional
 embedding and the decode caches keep the model's dtypes; every product accumulates in float32.
 
-A decode step's products (up to ``_init.NARROW_ROWS`` rows) read the int8 weights through
+A decode step's products (up to ``_layers.NARROW_ROWS`` rows) read the int8 weights through
 the native narrow-weight kernel (``flax_attention.kernels.native.narrow``), a quarter of
 float32's bytes; longer products (a prompt's prefill) and machines without the kernel
 multiply by the dequantized matrix in XLA. ``flax_attention.state_dict(q)`` gives the
@@ -29,7 +29,7 @@ import numpy as np
 from flax import nnx
 
 from flax_attention._checks import check_choice, check_instance
-from flax_attention._init import narrow_product_ok
+from flax_attention._layers import narrow_product_ok
 from flax_attention.layouts import Names, register
 
 __all__ = ["SCHEMES", "Int8Embed", "Int8Linear", "Int8Weight", "WeightScale", "quantize"]

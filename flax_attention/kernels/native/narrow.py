@@ -93,7 +93,7 @@ def width(level: int | None = None) -> int:
 def matmul(x, w, scale=None, *, nk: bool = False, level: int | None = None):
     """``x (..., k) @ w`` (``w`` ``(k, n)``) or, ``nk``, ``x @ w.T`` (``w`` ``(n, k)``), times
     ``scale`` ``(n,)`` if given; float32 ``(..., n)``. ``w`` float32, bfloat16 or int8; ``x`` is
-    computed in float32. Not differentiable (callers wrap it: ``flax_attention._init``)."""
+    computed in float32. Not differentiable (callers wrap it: ``flax_attention._layers``)."""
     reason, widths = _register()
     if reason is not None:
         raise RuntimeError(f"the narrow products are unavailable: {reason}")
