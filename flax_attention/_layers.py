@@ -1,5 +1,6 @@
 """What the layers are built of, and run in every forward: the Linear factory and its row-parallel
-product (with the narrow-weight kernel for a decode step's few rows), ``Embed`` and ``Dropout``.
+product (with the narrow-weight kernel for a decode step's few rows), ``Embed`` and ``Dropout``;
+and ``LayerOptions``, the Flax options a model hands down to every layer it builds, as one value.
 
 Their initialisers are ``flax_attention._init``'s (torch's distributions); their mesh decisions
 are ``flax_attention.mesh``'s, reached only where a mesh is set.
@@ -7,8 +8,10 @@ are ``flax_attention.mesh``'s, reached only where a mesh is set.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +30,7 @@ __all__ = [
     "NARROW_ROWS",
     "Dropout",
     "Embed",
+    "LayerOptions",
     "linear_factory",
     "narrow_product_ok",
     "rows_dot_general",
@@ -203,3 +207,38 @@ def linear_factory(*, dtype, param_dtype, precision, rngs: nnx.Rngs):
         )
 
     return linear
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerOptions:
+    """The Flax options of a model's layers, passed down as one value: the model checks them at
+    its door and builds every sublayer from this (``linear``, ``norm``, ``dense``, ``attention``
+    say which of them each kind of layer takes), instead of threading each keyword by hand
+    through every constructor.
+
+    ``dtype``: the computation dtype (``None``: the inputs'); ``param_dtype``: the parameters';
+    ``precision``: every matmul's; ``implementation``: the attention core's (``None``: the
+    fastest for each call)."""
+
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+    precision: Any = None
+    implementation: str | None = None
+
+    def linear(self, rngs: nnx.Rngs):
+        """``linear_factory`` with these options."""
+        return linear_factory(
+            dtype=self.dtype, param_dtype=self.param_dtype, precision=self.precision, rngs=rngs
+        )
+
+    def norm(self) -> dict:
+        """The keywords of a norm or an embedding: ``dtype``, ``param_dtype``."""
+        return {"dtype": self.dtype, "param_dtype": self.param_dtype}
+
+    def dense(self) -> dict:
+        """The keywords of a layer of Linears (a feed-forward): ``norm()`` and ``precision``."""
+        return {**self.norm(), "precision": self.precision}
+
+    def attention(self) -> dict:
+        """The keywords of an attention layer (or a block holding one): all four."""
+        return {**self.dense(), "implementation": self.implementation}

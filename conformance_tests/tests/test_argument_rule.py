@@ -216,7 +216,7 @@ _ROWS = [
         "bshd",
     ),
     Row(
-        "generate",
+        "decode_loop",
         fa.decode_loop,
         lambda: {
             "module": fa.MultiHeadAttention(4, 4, 4, 0.0, 2, rngs=_rngs()),

@@ -247,8 +247,8 @@ def test_a_layer_answers_for_its_cache_through_its_own_methods(name):
 
 
 @pytest.mark.parametrize("name", ["mha", "wrapper"])
-def test_generate_equals_the_full_pass_over_its_own_outputs(name):
-    """``generate`` feeds each output back; the full pass over [prompt, y_0, y_1, ...] must give
+def test_decode_loop_equals_the_full_pass_over_its_own_outputs(name):
+    """``decode_loop`` feeds each output back; the full pass over [prompt, y_0, y_1, ...] must give
     the same rows, and the loop compiles once for a given structure and length."""
     cls, args = LAYERS[name]
     layer = _layer(name)
@@ -260,7 +260,7 @@ def test_generate_equals_the_full_pass_over_its_own_outputs(name):
         full = _layer(name)(sequence)
     assert ys.shape == (2, 7, 8)
     diff = _max_diff(ys, full[:, 3:])
-    assert diff <= DECODE_ATOL, f"{name}: generate vs full pass {diff:.2e}"
+    assert diff <= DECODE_ATOL, f"{name}: decode_loop vs full pass {diff:.2e}"
     caches = [layer] if name != "wrapper" else list(layer.heads)
     assert all(int(c.cache_index[...]) == 10 for c in caches)
     with pytest.raises(ValueError, match=r"\(10 \+ 4 \+ 6\) must not exceed the cache's"):
@@ -269,7 +269,7 @@ def test_generate_equals_the_full_pass_over_its_own_outputs(name):
         fa.decode_loop(_layer(name), prompt, 2)
 
 
-def test_generate_fills_the_cache_exactly_and_refuses_one_step_more():
+def test_decode_loop_fills_the_cache_exactly_and_refuses_one_step_more():
     """A slot holds one token's key and value: a 4-token prompt and 6 steps fill 10 slots
     exactly (the last step's row still equals the full pass); 7 steps would need 11."""
     layer = _layer("mha")
@@ -280,26 +280,26 @@ def test_generate_fills_the_cache_exactly_and_refuses_one_step_more():
         full = _layer("mha")(jnp.concatenate([prompt, ys[:, :-1]], axis=1))  # (1, 10, 8)
     assert int(layer.cache_index[...]) == 10
     diff = _max_diff(ys, full[:, 3:])
-    assert diff <= DECODE_ATOL, f"generate into 10 slots vs full pass {diff:.2e}"
+    assert diff <= DECODE_ATOL, f"decode_loop into 10 slots vs full pass {diff:.2e}"
     layer.init_cache(1, max_length=10)
     message = r"\(0 \+ 4 \+ 7\) must not exceed the cache's max_length \(10\)"
     with pytest.raises(ValueError, match=message):
         fa.decode_loop(layer, prompt, 7)
 
 
-def test_generate_does_not_recompile_for_a_new_cache_of_the_same_shape():
+def test_decode_loop_does_not_recompile_for_a_new_cache_of_the_same_shape():
     layer = _layer("mha")
     prompt = _x(1, 3)
     layer.init_cache(1)
     fa.decode_loop(layer, prompt, 4)
-    before = fa.cache._generate._cache_size()
+    before = fa.cache._decode_loop._cache_size()
     layer.init_cache(1)
     fa.decode_loop(layer, _x(1, 3, seed=9), 4)
-    assert fa.cache._generate._cache_size() == before
+    assert fa.cache._decode_loop._cache_size() == before
 
 
 @pytest.mark.quick
-def test_generate_compiles_once_from_a_fresh_layer_with_an_rng_stream(caplog):
+def test_decode_loop_compiles_once_from_a_fresh_layer_with_an_rng_stream(caplog):
     """Loaded weights and a fresh cache are not committed to a device; what the jit hands back
     is, and XLA compiles again for committed inputs (the trace is reused, so only the compile
     log shows it). Parameters only go in and the rest is committed before the call, so later
@@ -310,14 +310,14 @@ def test_generate_compiles_once_from_a_fresh_layer_with_an_rng_stream(caplog):
     layer.eval()
     assert jax.tree.leaves(nnx.state(layer, nnx.RngState))  # the dropout's stream is state
     outputs, compiles = [], []
-    fa.cache._generate.clear_cache()  # so the first call compiles, and the log must show it
+    fa.cache._decode_loop.clear_cache()  # so the first call compiles, and the log must show it
     with jax.log_compiles(True), caplog.at_level(logging.WARNING):
         for seed in (1, 2, 3):
             caplog.clear()
             layer.init_cache(1)
             outputs.append(fa.decode_loop(layer, _x(1, 3, seed=seed), 4))
             messages = [r.getMessage() for r in caplog.records]
-            compiles.append(sum("Compiling jit(_generate)" in m for m in messages))
+            compiles.append(sum("Compiling jit(_decode_loop)" in m for m in messages))
     assert compiles == [1, 0, 0], compiles
     assert all(o.shape == (1, 5, 8) for o in outputs)
     assert float(jnp.abs(outputs[0] - outputs[1]).max()) > 0.0  # other prompts, other outputs

@@ -61,7 +61,7 @@ def test_slugs_follow_github():
     assert slug("Quiet re-run (the numbers docs/performance.md quotes)") == (
         "quiet-re-run-the-numbers-docsperformancemd-quotes"
     )
-    assert slug("`fa.decode_loop` in one jit") == "fagenerate-in-one-jit"
+    assert slug("`fa.generate` in one jit") == "fagenerate-in-one-jit"
     assert slug("Weights across [frameworks](x.md)") == "weights-across-frameworks"
 
 

@@ -66,7 +66,7 @@ from flax_attention._checks import (
     check_positive_int,
     check_rate,
 )
-from flax_attention._layers import Dropout, Embed, linear_factory
+from flax_attention._layers import Dropout, Embed, LayerOptions
 from flax_attention.annotated import MultiHeadedAttention, ProjectedKV
 from flax_attention.cache import (
     CachedLayer,
@@ -549,18 +549,15 @@ def make_model(
         check_positive_int(name, value)
     check_dropout(dropout)
     check_dropout(attention_dropout)
-    linear = linear_factory(dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs)
-    norm = {"dtype": dtype, "param_dtype": param_dtype}
+    options = LayerOptions(dtype, param_dtype, precision, implementation)
+    linear, norm = options.linear(rngs), options.norm()
     attn = functools.partial(
         MultiHeadedAttention,
         h,
         d_model,
         attention_dropout,
-        implementation=implementation,
         keep_attention_score=False,
-        dtype=dtype,
-        param_dtype=param_dtype,
-        precision=precision,
+        **options.attention(),
         rngs=rngs,
     )
 

@@ -44,7 +44,7 @@ from flax import nnx
 
 from flax_attention._checks import check_bool, check_positive_int, check_rate
 from flax_attention._inputs import check_model_inputs
-from flax_attention._layers import Dropout, Embed, linear_factory, rows_dot_general
+from flax_attention._layers import Dropout, Embed, LayerOptions, rows_dot_general
 from flax_attention.cache import padded_positions
 from flax_attention.core import Implementation
 from flax_attention.layouts import ModelNames, Names, gpt_model_names, register
@@ -208,9 +208,7 @@ class FeedForward(nnx.Module):
 
     def __init__(self, cfg, *, dtype=None, param_dtype=jnp.float32, precision=None, rngs):
         cfg = check_config(cfg)
-        linear = linear_factory(
-            dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs
-        )
+        linear = LayerOptions(dtype, param_dtype, precision).linear(rngs)
         d = cfg["emb_dim"]
         self.layers = nnx.List(
             [linear(d, 4 * d, axes=TO_HEADS), GELU(), linear(4 * d, d, axes=FROM_HEADS)]
@@ -243,6 +241,7 @@ class TransformerBlock(nnx.Module):
         rngs: nnx.Rngs,
     ):
         cfg = check_config(cfg)
+        options = LayerOptions(dtype, param_dtype, precision, implementation)
         self.att = MultiHeadAttention(
             d_in=cfg["emb_dim"],
             d_out=cfg["emb_dim"],
@@ -250,17 +249,12 @@ class TransformerBlock(nnx.Module):
             num_heads=cfg["n_heads"],
             dropout=cfg["drop_rate"],
             qkv_bias=cfg["qkv_bias"],
-            implementation=implementation,
-            dtype=dtype,
-            param_dtype=param_dtype,
-            precision=precision,
+            **options.attention(),
             rngs=rngs,
         )
-        self.ff = FeedForward(
-            cfg, dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs
-        )
-        self.norm1 = LayerNorm(cfg["emb_dim"], dtype=dtype, param_dtype=param_dtype)
-        self.norm2 = LayerNorm(cfg["emb_dim"], dtype=dtype, param_dtype=param_dtype)
+        self.ff = FeedForward(cfg, **options.dense(), rngs=rngs)
+        self.norm1 = LayerNorm(cfg["emb_dim"], **options.norm())
+        self.norm2 = LayerNorm(cfg["emb_dim"], **options.norm())
         self.drop_resid = Dropout(cfg["drop_rate"], rngs=rngs)
 
     def init_cache(self, batch_size, max_length: int | None = None, dtype=None) -> None:
@@ -320,37 +314,24 @@ class GPTModel(nnx.Module):
         check_model_dtypes(dtype, param_dtype)
         self.cfg = Config(cfg)
         self.precision = precision
+        options = LayerOptions(dtype, param_dtype, precision, implementation)  # checked above
         embed = functools.partial(
-            Embed,
-            dtype=dtype,
-            param_dtype=param_dtype,
-            embedding_init=nnx.initializers.normal(1.0),
-            rngs=rngs,
+            Embed, **options.norm(), embedding_init=nnx.initializers.normal(1.0), rngs=rngs
         )  # torch's nn.Embedding draws from N(0, 1); replicated on a mesh
         self.tok_emb = embed(cfg["vocab_size"], cfg["emb_dim"])
         self.pos_emb = embed(cfg["context_length"], cfg["emb_dim"])
         self.drop_emb = Dropout(cfg["drop_rate"], rngs=rngs)
         self.trf_blocks = nnx.List(
             [
-                TransformerBlock(
-                    cfg,
-                    dtype=dtype,
-                    param_dtype=param_dtype,
-                    precision=precision,
-                    implementation=implementation,
-                    rngs=rngs,
-                )
+                TransformerBlock(cfg, **options.attention(), rngs=rngs)
                 for _ in range(cfg["n_layers"])
             ]
         )
-        self.final_norm = LayerNorm(cfg["emb_dim"], dtype=dtype, param_dtype=param_dtype)
+        self.final_norm = LayerNorm(cfg["emb_dim"], **options.norm())
         if cfg["tie_word_embeddings"]:
             self.out_head = nnx.data(None)
         else:
-            linear = linear_factory(
-                dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs
-            )
-            self.out_head = linear(
+            self.out_head = options.linear(rngs)(
                 cfg["emb_dim"], cfg["vocab_size"], use_bias=False, axes=_REPLICATED
             )
 
