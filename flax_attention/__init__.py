@@ -26,6 +26,11 @@ from flax_attention.core import (
     select_implementation,
 )
 from flax_attention.interop import from_nnx, from_torch
+from flax_attention.modern import (
+    GroupedQueryAttention,
+    MultiHeadAttentionWithSWA,
+    MultiHeadLatentAttention,
+)
 from flax_attention.multihead import MultiHeadAttention
 from flax_attention.self_attention import (
     SelfAttention,
@@ -58,6 +63,9 @@ __all__ = [
     "MultiHeadedAttention",
     "attention",
     "clones",
+    "GroupedQueryAttention",
+    "MultiHeadLatentAttention",
+    "MultiHeadAttentionWithSWA",
     # Flax only: the attention core, decoding and the weight bridge.
     "IMPLEMENTATIONS",
     "AttentionMask",

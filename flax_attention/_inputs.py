@@ -58,9 +58,11 @@ def check_input(name, x, d_in, legend="..., num_tokens, d_in"):
 
 
 def check_causal_input(x, d_in, context_length):
-    """A causal layer's ``x``: as ``check_input``, and no more tokens than ``context_length``."""
+    """A causal layer's ``x``: as ``check_input``, and no more tokens than ``context_length``
+    (``None``: no limit, the book's modern layers)."""
     check_input("x", x, d_in)
-    check_num_tokens(x.shape[-2], context_length)
+    if context_length is not None:
+        check_num_tokens(x.shape[-2], context_length)
 
 
 def _check_floating(name, x):

@@ -67,6 +67,9 @@ __all__ = [
     "CachedLayer",
     "DecodingLayer",
     "append",
+    "append_ring",
+    "append_rows",
+    "check_max_length",
     "decode_step",
     "decode_loop",
     "new_cache",
@@ -167,12 +170,7 @@ def new_cache(
         raise TypeError(f"batch_size ({batch_size!r}) must be an int or a non-empty tuple of ints")
     for size in batch_shape:
         check_positive_int("batch_size", size)
-    max_length = context_length if max_length is None else max_length
-    check_positive_int("max_length", max_length)
-    if max_length > context_length:
-        raise ValueError(
-            f"max_length ({max_length}) must not exceed context_length ({context_length})"
-        )
+    max_length = check_max_length(max_length, context_length)
     shape = (*batch_shape, heads, max_length, head_dim)  # (..., h, max_length, d)
     # Sharded like the keys and values: batch over "data", heads (one head: its features) over
     # "model".
@@ -183,6 +181,25 @@ def new_cache(
         "cached_value": cache(jnp.zeros(shape, dtype)),
         "cache_index": nnx.Cache(jnp.array(0, jnp.int32)),
     }
+
+
+def check_max_length(max_length, context_length) -> int:
+    """A cache's ``max_length``: the one given (a positive int, at most ``context_length`` where
+    the layer has one), or the layer's ``context_length``; a layer without one (``None``, the
+    book's modern layers) needs it given."""
+    if max_length is None:
+        if context_length is None:
+            raise ValueError(
+                "max_length (None) must be given for a layer without a context_length "
+                "(init_cache(batch_size, max_length))"
+            )
+        return context_length
+    check_positive_int("max_length", max_length)
+    if context_length is not None and max_length > context_length:
+        raise ValueError(
+            f"max_length ({max_length}) must not exceed context_length ({context_length})"
+        )
+    return max_length
 
 
 def install_cache(
@@ -223,17 +240,8 @@ def append(cached_key, cached_value, cache_index, keys, values):
             f"x's batch shape ({keys.shape[:-3]}) must equal the cache's batch shape "
             f"({cache_shape[:-3]}) (init_cache(batch_size))"
         )
-    if num_new > max_length:  # static: too long at any position, inside jit too
-        raise ValueError(
-            f"num_tokens ({num_new}) must not exceed the cache's max_length ({max_length})"
-        )
     index = cache_index[...]
-    if not isinstance(index, jax.core.Tracer) and int(index) + num_new > max_length:
-        raise ValueError(
-            f"cache_index + num_tokens ({int(index)} + {num_new}) must not exceed the "
-            f"cache's max_length ({max_length}) (init_cache(..., max_length) or a new cache)"
-        )
-    fits = index + num_new <= max_length
+    fits = _check_fit(index, num_new, max_length)
 
     def write(cache, new):  # only the new tokens' slots; the old ones again if no fit
         axis = cache.ndim - 2
@@ -263,6 +271,69 @@ def padded_positions(attention_mask, offset, num_tokens: int):
     index = offset + jnp.arange(num_tokens)  # (t,) the new tokens' slots
     positions = jnp.maximum(jnp.take(counts, index, axis=-1), 0)  # (b, t)
     return positions, attention_mask.astype(bool)[:, None, None, :]
+
+
+def _check_fit(index, num_new: int, max_length: int):
+    """Outside jit, an overflow is a ``ValueError``; returns whether the tokens fit (traced
+    inside jit, where the caller poisons its output)."""
+    if num_new > max_length:  # static: too long at any position, inside jit too
+        raise ValueError(
+            f"num_tokens ({num_new}) must not exceed the cache's max_length ({max_length})"
+        )
+    if not isinstance(index, jax.core.Tracer) and int(index) + num_new > max_length:
+        raise ValueError(
+            f"cache_index + num_tokens ({int(index)} + {num_new}) must not exceed the "
+            f"cache's max_length ({max_length}) (init_cache(..., max_length) or a new cache)"
+        )
+    return index + num_new <= max_length
+
+
+def append_rows(cached, cache_index, rows):
+    """A cache of rows (multi-head latent attention's latent ``(..., max_length, F)``): write
+    ``rows`` ``(..., n, F)`` at ``cache_index``, as ``append`` writes keys. Returns the whole
+    cache, the first new token's position and whether the rows fitted."""
+    if cached is None or cache_index is None:
+        raise ValueError("decode (True) needs a decode cache (call init_cache(batch_size) first)")
+    index, num_new = cache_index[...], rows.shape[-2]
+    if rows.shape[:-2] != cached.shape[:-2]:
+        raise ValueError(
+            f"x's batch shape ({rows.shape[:-2]}) must equal the cache's batch shape "
+            f"({cached.shape[:-2]}) (init_cache(batch_size))"
+        )
+    fits = _check_fit(index, num_new, cached.shape[-2])
+    old = jax.lax.dynamic_slice_in_dim(cached[...], index, num_new, cached.ndim - 2)
+    new = jnp.where(fits, rows.astype(cached.dtype), old)
+    cached[...] = jax.lax.dynamic_update_slice_in_dim(cached[...], new, index, cached.ndim - 2)
+    cache_index[...] = jnp.where(fits, index + num_new, index)
+    return cached[...], index, fits
+
+
+def append_ring(cached_key, cached_value, cache_index, keys, values, max_length: int):
+    """A sliding window's ring (``cached_key``/``cached_value`` ``(..., h, W, d)``: the last
+    ``W`` tokens' keys and values, in order): ``keys``/``values`` ``(..., n, h, d)`` join it.
+
+    Returns the ring followed by the new tokens, ``(..., h, W + n, d)`` twice (heads first: the
+    queries, at ``query_offset=W``, attend to these), ``keep`` ``(W + n,)`` bool (``False`` for
+    the ring's slots no token has filled yet) and whether the tokens fitted under ``max_length``
+    (``cache_index`` counts every token seen); the ring keeps the last ``W`` of the two."""
+    if cached_key is None or cached_value is None or cache_index is None:
+        raise ValueError("decode (True) needs a decode cache (call init_cache(batch_size) first)")
+    if keys.shape[:-3] != cached_key.shape[:-3]:
+        raise ValueError(
+            f"x's batch shape ({keys.shape[:-3]}) must equal the cache's batch shape "
+            f"({cached_key.shape[:-3]}) (init_cache(batch_size))"
+        )
+    index, num_new, ring = cache_index[...], keys.shape[-3], cached_key.shape[-2]
+    fits = _check_fit(index, num_new, max_length)
+    seen = []
+    for cache, new in ((cached_key, keys), (cached_value, values)):
+        new = jnp.swapaxes(new, -3, -2).astype(cache.dtype)  # (..., h, n, d)
+        both = jnp.concatenate([cache[...], new], axis=-2)  # (..., h, W + n, d)
+        cache[...] = jnp.where(fits, both[..., num_new:, :], cache[...])  # the last W
+        seen.append(both)
+    keep = jnp.arange(ring + num_new) >= ring - jnp.minimum(index, ring)  # filled slots
+    cache_index[...] = jnp.where(fits, index + num_new, index)
+    return seen[0], seen[1], keep, fits
 
 
 def poison_unless(fits, x):

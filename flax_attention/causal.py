@@ -13,7 +13,12 @@ import numpy as np
 from flax import nnx
 
 from flax_attention import cache as decode_cache
-from flax_attention._checks import check_dropout, check_positive_int, check_splits_over_heads
+from flax_attention._checks import (
+    check_dropout,
+    check_int,
+    check_positive_int,
+    check_splits_over_heads,
+)
 from flax_attention._inputs import check_causal_input, check_d_key
 from flax_attention._layers import Dropout, linear_factory
 from flax_attention.core import (
@@ -68,10 +73,15 @@ def causal_attn_weights_masked_fill(attn_scores, d_key):
     return masked_softmax(attn_scores, d_key, causal_mask(sequence_length, sequence_length))
 
 
-def check_causal_args(d_in, d_out, context_length, dropout, implementation=None, block_sizes=None):
+def check_causal_args(
+    d_in, d_out, context_length, dropout, implementation=None, block_sizes=None, unbounded=False
+):
     check_positive_int("d_in", d_in)
     check_positive_int("d_out", d_out)
-    check_positive_int("context_length", context_length)
+    if unbounded:  # the book's modern layers: None, no limit
+        check_int("context_length", context_length, 1, optional="no limit on the tokens")
+    else:
+        check_positive_int("context_length", context_length)
     check_dropout(dropout)
     check_implementation(implementation)
     check_block_sizes(block_sizes)
@@ -94,6 +104,8 @@ def init_causal_layer(
     num_heads: int | None = None,
     num_kv_heads: int | None = None,
     window: int | None = None,
+    projections: bool = True,
+    unbounded: bool = False,
 ):
     """The constructor body of ``CausalAttention`` and ``MultiHeadAttention`` (``num_heads``:
     checked positive by the caller, ``d_out`` must split over it; ``num_kv_heads``, ``None`` or
@@ -102,8 +114,10 @@ def init_causal_layer(
     ``model`` by output features), the weights' ``dropout``, the causal ``window`` and the
     decode cache's three variables, declared empty (``init_cache`` fills them: keys and values
     ``(..., h_kv, max_length, d)``, the index). Returns the Linear factory, for the layer's own
-    further projections."""
-    check_causal_args(d_in, d_out, context_length, dropout, implementation, block_sizes)
+    further projections. ``unbounded``: ``context_length`` may be ``None``, no limit on the
+    tokens (the book's modern layers); ``projections=False``: no ``W_query``/``W_key``/
+    ``W_value`` (the layer makes its own)."""
+    check_causal_args(d_in, d_out, context_length, dropout, implementation, block_sizes, unbounded)
     check_window(window)
     d_kv = d_out
     if num_heads is not None:
@@ -127,9 +141,10 @@ def init_causal_layer(
     layer.precision = precision
     layer.window = window
     linear = linear_factory(dtype=dtype, param_dtype=param_dtype, precision=precision, rngs=rngs)
-    layer.W_query = linear(d_in, d_out, use_bias=qkv_bias, axes=TO_HEADS)
-    layer.W_key = linear(d_in, d_kv, use_bias=qkv_bias, axes=TO_HEADS)
-    layer.W_value = linear(d_in, d_kv, use_bias=qkv_bias, axes=TO_HEADS)
+    if projections:
+        layer.W_query = linear(d_in, d_out, use_bias=qkv_bias, axes=TO_HEADS)
+        layer.W_key = linear(d_in, d_kv, use_bias=qkv_bias, axes=TO_HEADS)
+        layer.W_value = linear(d_in, d_kv, use_bias=qkv_bias, axes=TO_HEADS)
     layer.dropout = Dropout(dropout, rngs=rngs)
     layer.cached_key = nnx.data(None)
     layer.cached_value = nnx.data(None)

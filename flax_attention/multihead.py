@@ -118,10 +118,6 @@ class MultiHeadAttention(decode_cache.CachedLayer, nnx.Module):
             self, batch_size, max_length, dtype, heads=self.num_kv_heads, head_dim=self.head_dim
         )
 
-    def _split_heads(self, x, on_mesh: bool):
-        x = x.reshape(*x.shape[:-1], -1, self.head_dim)  # (..., t, h, d): h or h_kv heads
-        return constrain(x, HEADS) if on_mesh else x  # on a mesh: each head stays on its device
-
     def __call__(
         self, x: jax.Array, *, decode: bool = False, mask=None, positions=None
     ) -> jax.Array:
@@ -148,16 +144,18 @@ class MultiHeadAttention(decode_cache.CachedLayer, nnx.Module):
     def _forward(self, x: jax.Array, *, decode: bool, mask, positions=None) -> jax.Array:
         """``__call__`` on a checked ``x``: what a model's block calls with the hidden states it
         made itself (the model checks its own inputs at its door)."""
-        on_mesh = not jax.sharding.get_abstract_mesh().empty
-        keys = self._split_heads(self.W_key(x), on_mesh)  # (..., t, h_kv, d)
-        queries = self._split_heads(self.W_query(x), on_mesh)  # (..., t, h, d)
-        values = self._split_heads(self.W_value(x), on_mesh)  # (..., t, h_kv, d)
+        heads = (*x.shape[:-1], -1, self.head_dim)  # (..., t, h, d): h or h_kv heads
+        keys = self.W_key(x).reshape(heads)  # (..., t, h_kv, d)
+        queries = self.W_query(x).reshape(heads)  # (..., t, h, d)
+        values = self.W_value(x).reshape(heads)  # (..., t, h_kv, d)
+        if not jax.sharding.get_abstract_mesh().empty:  # on a mesh: each head on its device
+            keys, queries, values = (constrain(y, HEADS) for y in (keys, queries, values))
         if self.rotary is not None:
             if positions is None:  # from 0, or from the cache's length
                 start = decode_cache.cached_length(self) if decode else 0
                 positions = start + jnp.arange(x.shape[-2])
             queries, keys = self.rotary(queries, positions), self.rotary(keys, positions)
-        context_vec = causal_attention(
+        context_vec = self._attend(
             queries,
             keys,
             values,
@@ -172,3 +170,7 @@ class MultiHeadAttention(decode_cache.CachedLayer, nnx.Module):
         context_vec = context_vec.reshape(*x.shape[:-1], self.d_out)  # (..., t, d_out)
         # out_proj reduces over the heads; on an explicit mesh its result is laid out like x.
         return self.out_proj(context_vec)  # (..., t, d_out)
+
+    #: The heads' causal attention, with the decode cache when given (``causal_attention``); a
+    #: layer with another cache overrides it (``MultiHeadAttentionWithSWA``'s ring).
+    _attend = staticmethod(causal_attention)

@@ -23,6 +23,10 @@ no.    name                                what it holds
                                            with printed outputs
 004    the ``CausalAttention`` listing     ``CausalAttention`` and its batch test
 =====  ==================================  ==================================================
+
+Past the documents, the book's chapter 4 bonus layers (``torch_reference.modern``):
+``GroupedQueryAttention``, ``MultiHeadLatentAttention``, ``MultiHeadAttentionWithSWA``, with
+their KV caches (``forward(x, use_cache=True)``, ``reset_cache()``).
 """
 
 from torch_reference.annotated import MultiHeadedAttention, attention, clones
@@ -31,6 +35,11 @@ from torch_reference.causal import (
     MultiHeadAttentionWrapper,
     causal_attn_weights_masked_fill,
     causal_attn_weights_renormalized,
+)
+from torch_reference.modern import (
+    GroupedQueryAttention,
+    MultiHeadAttentionWithSWA,
+    MultiHeadLatentAttention,
 )
 from torch_reference.multihead import MultiHeadAttention
 from torch_reference.self_attention import (
@@ -55,4 +64,7 @@ __all__ = [
     "MultiHeadedAttention",
     "attention",
     "clones",
+    "GroupedQueryAttention",
+    "MultiHeadLatentAttention",
+    "MultiHeadAttentionWithSWA",
 ]

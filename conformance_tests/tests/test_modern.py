@@ -1,0 +1,193 @@
+"""The book's modern attention (chapter 4 bonus: grouped-query, multi-head latent, sliding-window)
+against its code (``torch_reference.modern``): the full pass, decoding in chunks of every kind
+against the book's ``use_cache=True`` calls, every parameter's gradient, state dicts both ways,
+each cache holding what its variant promises, and what each refuses."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+
+import flax_attention as fa
+import torch_reference as tr
+
+#: (name, torch layer, Flax layer): the book's arguments, biases on, heads that group.
+LAYERS = {
+    "gqa": (
+        lambda: tr.GroupedQueryAttention(16, 24, 0.0, 6, 2, qkv_bias=True),
+        lambda: fa.GroupedQueryAttention(16, 24, 0.0, 6, 2, qkv_bias=True, rngs=nnx.Rngs(0)),
+    ),
+    "mla": (
+        lambda: tr.MultiHeadLatentAttention(16, 24, 0.0, 4, qkv_bias=True, latent_dim=8),
+        lambda: fa.MultiHeadLatentAttention(
+            16, 24, 0.0, 4, qkv_bias=True, latent_dim=8, rngs=nnx.Rngs(0)
+        ),
+    ),
+    "swa": (
+        lambda: tr.MultiHeadAttentionWithSWA(16, 24, 0.0, 4, qkv_bias=True, sliding_window_size=3),
+        lambda: fa.MultiHeadAttentionWithSWA(
+            16, 24, 0.0, 4, qkv_bias=True, sliding_window_size=3, rngs=nnx.Rngs(0)
+        ),
+    ),
+}
+#: Chunkings of 11 tokens: one prefill, a prefill then steps, steps only, chunks past the window.
+CHUNKINGS = ([11], [4, 1, 1, 5], [1] * 11, [2, 6, 3])
+ATOL = 1e-6
+
+
+def _pair(name):
+    torch.manual_seed(0)
+    twin, layer = LAYERS[name][0](), LAYERS[name][1]()
+    fa.load_state_dict(layer, {k: v.numpy() for k, v in twin.state_dict().items()})
+    return twin, layer
+
+
+def _x(seed=0, shape=(2, 11, 16)):
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_full_pass_and_every_chunking_equal_the_books_cache(name):
+    """The full pass, and decoding in chunks (``init_cache`` then ``decode=True``) equal the
+    book's ``forward(x)`` and its ``use_cache=True`` calls chunk for chunk."""
+    twin, layer = _pair(name)
+    x = _x()
+    with torch.no_grad():
+        expected = twin(torch.tensor(x)).numpy()
+    np.testing.assert_allclose(layer(jnp.asarray(x)), expected, rtol=0, atol=ATOL)
+    decode = nnx.jit(lambda layer, chunk: layer(chunk, decode=True))
+    for chunks in CHUNKINGS:
+        twin.reset_cache()
+        layer.init_cache(2, 11)
+        start = 0
+        for size in chunks:
+            chunk = x[:, start : start + size]
+            with torch.no_grad():
+                step = twin(torch.tensor(chunk), use_cache=True).numpy()
+            np.testing.assert_allclose(
+                decode(layer, jnp.asarray(chunk)), step, rtol=0, atol=ATOL, err_msg=str(chunks)
+            )
+            start += size
+    assert np.abs(expected).max() > 0.1
+
+
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_every_parameters_gradient_and_the_state_dict_equal_the_books(name):
+    """Every parameter's gradient equals torch's (the key bias's is exactly 0 on both sides:
+    softmax ignores a shift all keys share, so it is held to an absolute floor), and the state
+    dict goes back out bit for bit in the book's names."""
+    twin, layer = _pair(name)
+    x, cotangent = _x(1), _x(2, (2, 11, 24))
+    twin(torch.tensor(x)).mul(torch.tensor(cotangent)).sum().backward()
+
+    def loss(layer):
+        return (layer(jnp.asarray(x)) * cotangent).sum()
+
+    named = nnx.clone(layer)  # the gradients in the layer's places, to name them as weights
+    nnx.update(named, nnx.grad(loss)(layer))
+    grads = fa.state_dict(named)
+    expected = {k: p.grad.numpy() for k, p in twin.named_parameters()}
+    assert sorted(grads) == sorted(expected)
+    for key, value in expected.items():
+        scale = max(1.0, float(np.abs(value).max()))
+        np.testing.assert_allclose(grads[key], value, rtol=0, atol=1e-5 * scale, err_msg=key)
+    exported = fa.state_dict(layer)
+    assert sorted(exported) == sorted(twin.state_dict())
+    for key, value in twin.state_dict().items():
+        np.testing.assert_array_equal(exported[key], value.numpy(), err_msg=key)
+
+
+def test_each_cache_holds_what_its_variant_promises():
+    """Grouped-query: the key groups only; latent: the latent only; sliding window: a ring of
+    the window, the same size for any ``max_length``."""
+    gqa, mla, swa = (_pair(name)[1] for name in LAYERS)
+    gqa.init_cache(2, 40)
+    assert gqa.cached_key.shape == gqa.cached_value.shape == (2, 2, 40, 4)  # 2 of 6 heads
+    mla.init_cache(2, 40)
+    assert mla.cached_latent.shape == (2, 40, 8) and mla.cached_key is None
+    for max_length in (11, 500):
+        swa.init_cache(2, max_length)
+        assert swa.cached_key.shape == (2, 4, 3, 6)  # the window's 3 tokens
+        assert swa.cache_capacity() == max_length
+    swa.init_cache(2, 2)
+    assert swa.cached_key.shape == (2, 4, 2, 6)  # never more than max_length
+
+
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_a_chunk_past_the_cache_is_refused_and_nan_inside_jit(name):
+    _, layer = _pair(name)
+    layer.init_cache(2, 6)
+    layer(jnp.asarray(_x()[:, :4]), decode=True)
+    with pytest.raises(ValueError, match=r"cache_index \+ num_tokens \(4 \+ 3\) must not exceed"):
+        layer(jnp.asarray(_x()[:, :3]), decode=True)
+    assert int(layer.cached_length()) == 4  # nothing written
+    out = nnx.jit(lambda layer, x: layer(x, decode=True))(layer, jnp.asarray(_x()[:, :3]))
+    assert np.isnan(np.asarray(out)).all() and int(layer.cached_length()) == 4
+    with pytest.raises(ValueError, match=r"max_length \(None\) must be given"):
+        layer.init_cache(2)
+
+
+def test_bad_arguments_and_another_variants_state_dict_are_refused_by_name():
+    rngs = nnx.Rngs(0)
+    with pytest.raises(
+        ValueError, match=r"^num_heads \(6\) must be divisible by num_kv_groups \(4\)"
+    ):
+        fa.GroupedQueryAttention(16, 24, 0.0, 6, 4, rngs=rngs)
+    with pytest.raises(ValueError, match=r"^num_kv_groups \(0\) must be positive"):
+        fa.GroupedQueryAttention(16, 24, 0.0, 6, 0, rngs=rngs)
+    with pytest.raises(ValueError, match=r"^latent_dim \(0\) must be >= 1"):
+        fa.MultiHeadLatentAttention(16, 24, 0.0, 4, latent_dim=0, rngs=rngs)
+    with pytest.raises(ValueError, match=r"^sliding_window_size \(0\) must be >= 1"):
+        fa.MultiHeadAttentionWithSWA(16, 24, 0.0, 4, sliding_window_size=0, rngs=rngs)
+    with pytest.raises(ValueError, match=r"^d_out \(24\) must be divisible by num_heads \(5\)"):
+        fa.MultiHeadLatentAttention(16, 24, 0.0, 5, rngs=rngs)
+    for torch_layer, book_message in (
+        (lambda: tr.GroupedQueryAttention(16, 24, 0.0, 6, 4), "num_heads (6) must be divisible"),
+        (lambda: tr.MultiHeadLatentAttention(16, 24, 0.0, 4, latent_dim=0), "latent_dim (0)"),
+    ):
+        with pytest.raises(ValueError, match=book_message.replace("(", r"\(").replace(")", r"\)")):
+            torch_layer()
+    swa = _pair("swa")[1]
+    before = np.asarray(swa.W_key.kernel[...]).copy()
+    gqa_state = {k: v.numpy() for k, v in _pair("gqa")[0].state_dict().items()}
+    with pytest.raises(ValueError, match=r"W_key.weight.*\(8, 16\).*\(24, 16\)"):
+        fa.load_state_dict(swa, gqa_state)
+    np.testing.assert_array_equal(swa.W_key.kernel[...], before)  # nothing loaded
+    mla = _pair("mla")[1]
+    with pytest.raises(ValueError, match=r"W_key"):
+        fa.load_state_dict(mla, gqa_state)
+    layer = _pair("swa")[1]
+    layer.init_cache(2, 11)
+    with pytest.raises(ValueError, match=r"^mask \(given\) must be None with decode"):
+        layer(jnp.asarray(_x()[:, :2]), decode=True, mask=jnp.ones((2, 1, 1, 11), bool))
+
+
+def test_grouped_queries_train_as_the_books_layer():
+    """20 SGD steps on the same batches: the parameters stay with the book's layer's."""
+    twin, layer = _pair("gqa")
+    twin.train()
+    optimizer = torch.optim.SGD(twin.parameters(), lr=0.05)
+    x, target = _x(3), _x(4, (2, 11, 24))
+
+    @nnx.jit
+    def step(layer):
+        def loss(layer):
+            return ((layer(jnp.asarray(x)) - target) ** 2).mean()
+
+        grads = nnx.grad(loss)(layer)
+        params = nnx.state(layer, nnx.Param)
+        nnx.update(layer, jax.tree.map(lambda p, g: p - 0.05 * g, params, nnx.state(grads)))
+
+    for _ in range(20):
+        optimizer.zero_grad()
+        ((twin(torch.tensor(x)) - torch.tensor(target)) ** 2).mean().backward()
+        optimizer.step()
+        step(layer)
+    exported = fa.state_dict(layer)
+    for key, value in twin.state_dict().items():
+        np.testing.assert_allclose(exported[key], value.numpy(), rtol=0, atol=1e-5, err_msg=key)
