@@ -168,14 +168,17 @@ class MultiHeadLatentAttention(decode_cache.CachedLayer, nnx.Module):
     def cache_capacity(self) -> int | None:
         return None if self.cached_latent is None else self.cached_latent.shape[-2]
 
-    def __call__(self, x: jax.Array, *, decode: bool = False) -> jax.Array:
+    def __call__(self, x: jax.Array, *, decode: bool = False, mask=None) -> jax.Array:
+        """``x`` ``(..., t, d_in)`` -> ``(..., t, d_out)``; ``decode`` and ``mask`` (bool,
+        broadcastable to the weights, ``False`` hides a key: left padding) as
+        ``MultiHeadAttention``'s."""
         check_causal_input(x, self.d_in, self.context_length)
-        return self._forward(x, decode=decode)
+        return self._forward(x, decode=decode, mask=mask)
 
     def _heads(self, x):
         return x.reshape(*x.shape[:-1], self.num_heads, self.head_dim)  # (..., t, h, d)
 
-    def _forward(self, x: jax.Array, *, decode: bool = False) -> jax.Array:
+    def _forward(self, x: jax.Array, *, decode: bool = False, mask=None) -> jax.Array:
         queries = self._heads(self.W_query(x))  # (..., t, h, d)
         latent = self.W_DKV(x)  # (..., t, latent_dim)
         offset, fits = 0, None
@@ -185,8 +188,9 @@ class MultiHeadLatentAttention(decode_cache.CachedLayer, nnx.Module):
             )  # the whole cache, (..., max_length, latent_dim)
         keys, values = self._heads(self.W_UK(latent)), self._heads(self.W_UV(latent))
         attention_mask = AttentionMask.build(
-            is_causal=True, query_offset=offset, dtype=jnp.result_type(queries, keys)
-        )
+            mask, is_causal=True, query_offset=offset, fill_value=PADDING_FILL,
+            dtype=jnp.result_type(queries, keys),
+        )  # fmt: skip
         context_vec = attend(
             queries, keys, values, attention_mask, dropout=self.dropout,
             precision=self.precision, implementation=self.implementation,
@@ -263,15 +267,18 @@ class MultiHeadAttentionWithSWA(MultiHeadAttention):
             return causal_attention(
                 queries, keys, values, cache=cache, mask=mask, window=window, **options
             )
-        if mask is not None:
-            raise ValueError(
-                "mask (given) must be None with decode and a sliding window: the ring cache "
-                "keeps no slots for a padding mask"
-            )
+        index = cache[2][...]  # the first new token's position
         keys, values, keep, fits = decode_cache.append_ring(
-            self.cached_key, self.cached_value, self.cache_index, keys, values, self.max_length
+            *cache, keys, values, self.max_length
         )  # the ring and the new tokens, (..., h, W + n, d), in order
         ring = self.cached_key.shape[-2]  # the queries sit after it
+        if mask is not None:  # over the cache's max_length slots: the ring's and the new ones
+            mask = jnp.asarray(mask, bool)
+            pad = [(0, 0)] * (mask.ndim - 1) + [(ring, 0)]  # slots before the first: hidden
+            slots = jax.lax.dynamic_slice_in_dim(
+                jnp.pad(mask, pad), index, keys.shape[-2], mask.ndim - 1
+            )
+            keep = keep.reshape((1,) * (slots.ndim - 1) + keep.shape) & slots
         attention_mask = AttentionMask.build(
             keep, is_causal=True, query_offset=ring, fill_value=PADDING_FILL, window=window,
             dtype=jnp.result_type(queries, keys),

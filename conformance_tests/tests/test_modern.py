@@ -161,10 +161,6 @@ def test_bad_arguments_and_another_variants_state_dict_are_refused_by_name():
     mla = _pair("mla")[1]
     with pytest.raises(ValueError, match=r"W_key"):
         fa.load_state_dict(mla, gqa_state)
-    layer = _pair("swa")[1]
-    layer.init_cache(2, 11)
-    with pytest.raises(ValueError, match=r"^mask \(given\) must be None with decode"):
-        layer(jnp.asarray(_x()[:, :2]), decode=True, mask=jnp.ones((2, 1, 1, 11), bool))
 
 
 def test_grouped_queries_train_as_the_books_layer():
@@ -191,3 +187,59 @@ def test_grouped_queries_train_as_the_books_layer():
     exported = fa.state_dict(layer)
     for key, value in twin.state_dict().items():
         np.testing.assert_allclose(exported[key], value.numpy(), rtol=0, atol=1e-5, err_msg=key)
+
+
+#: The book's GPT variants, small: each file's config keys on a 3-layer model.
+GPT_CFG = {"vocab_size": 61, "context_length": 32, "emb_dim": 24, "n_heads": 6, "n_layers": 3,
+           "drop_rate": 0.0, "qkv_bias": True}  # fmt: skip
+VARIANTS = {
+    "gqa": {"n_kv_groups": 2},
+    "mla": {"latent_dim": 8},
+    "swa": {"sliding_window_size": 4, "sliding_window_stride": 1},  # window, full, window
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_the_books_gpt_variants_load_and_generate_its_cached_tokens(variant):
+    """``GPTModel(cfg)`` with a variant's keys is the book's file's model: its state dict loads
+    as it is, the logits equal, and ``generate`` (through the decode caches: the groups, the
+    latent, the rings) makes the tokens of the book's ``generate_text_simple_cached``; a
+    left-padded row makes its own tokens."""
+    from conformance_tests import book_modern
+    from flax_attention import models
+
+    cfg = {**GPT_CFG, **VARIANTS[variant]}
+    torch.manual_seed(0)
+    twin = book_modern.GPTModel(cfg).eval()
+    model = models.GPTModel(cfg, rngs=nnx.Rngs(0))
+    fa.load_state_dict(model, {k: v.numpy() for k, v in twin.state_dict().items()})
+    if variant == "swa":
+        assert [block.att.window for block in model.trf_blocks] == [4, None, 4]
+    prompt = np.random.default_rng(5).integers(0, cfg["vocab_size"], (1, 6))
+    with torch.no_grad():
+        expected = twin(torch.tensor(prompt)).numpy()
+    np.testing.assert_allclose(model(jnp.asarray(prompt)), expected, rtol=0, atol=2e-5)
+    tokens = book_modern.generate_text_simple_cached(twin, torch.tensor(prompt), 14)
+    np.testing.assert_array_equal(models.generate(model, prompt, 14, 32), tokens.numpy())
+    padded = np.concatenate([np.zeros((1, 3), int), prompt[:, :3]], axis=1)
+    mask = (np.arange(6) >= 3).astype(np.int32)[None]
+    alone = book_modern.generate_text_simple_cached(twin, torch.tensor(prompt[:, :3]), 9)
+    out = models.generate(model, padded, 9, 32, attention_mask=mask)
+    np.testing.assert_array_equal(np.asarray(out)[:, 3:], alone.numpy())
+
+
+def test_the_books_gpt_variant_keys_are_checked_by_name():
+    from flax_attention import models
+
+    bad = (
+        ({"n_kv_groups": 4}, r"cfg\['n_heads'\] \(6\) must be divisible by cfg\['n_kv_groups'\]"),
+        ({"n_kv_groups": 2, "latent_dim": 8}, r"must not be combined"),
+        ({"sliding_window_size": 4}, r"must have key 'sliding_window_stride'"),
+        ({"latent_dim": 0}, r"cfg\['latent_dim'\] \(0\) must be positive"),
+    )
+    for keys, message in bad:
+        with pytest.raises(ValueError, match=message):
+            models.GPTModel({**GPT_CFG, **keys}, rngs=nnx.Rngs(0))
+    model = models.GPTModel({**GPT_CFG, "n_kv_groups": 2}, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"layout \('gpt2'\) must be 'documents' for the book's"):
+        fa.state_dict(model, layout="gpt2")

@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from flax_attention._checks import check_bool, check_positive_int, check_rate
+from flax_attention._checks import check_bool, check_int, check_positive_int, check_rate
 from flax_attention._inputs import check_model_inputs
 from flax_attention._layers import Dropout, Embed, LayerOptions, rows_dot_general
 from flax_attention.cache import padded_positions
@@ -54,6 +54,11 @@ from flax_attention.mesh import (
     LinearAxes,
 )
 from flax_attention.models import checkpoints
+from flax_attention.modern import (
+    GroupedQueryAttention,
+    MultiHeadAttentionWithSWA,
+    MultiHeadLatentAttention,
+)
 from flax_attention.multihead import MultiHeadAttention
 
 __all__ = [
@@ -83,6 +88,12 @@ GPT_CONFIG_124M = {
 #: Every key ``cfg`` must have (the book's), and the optional one with its default.
 CONFIG_KEYS = tuple(GPT_CONFIG_124M)
 OPTIONAL_KEYS = {"tie_word_embeddings": False}
+#: The book's chapter 4 bonus variants, by the config keys that make them (absent: GPT-2's
+#: attention): grouped-query (``n_kv_groups``), latent (``latent_dim``), sliding window
+#: (``sliding_window_size`` with ``sliding_window_stride``, the K:1 schedule of window and full
+#: layers: ``K > 0`` K window layers then one full, 0 every layer full, negative every layer a
+#: window).
+VARIANT_KEYS = ("n_kv_groups", "latent_dim", "sliding_window_size", "sliding_window_stride")
 
 #: The head's mesh axes: replicated. GPT-2's vocabulary (50257) divides over no mesh axis, and
 #: a replicated head reads its whole kernel per device, which a decode step needs anyway.
@@ -122,12 +133,10 @@ def check_config(cfg) -> dict:
     naming the first unknown, missing or ill-typed key."""
     if not isinstance(cfg, Mapping):
         raise TypeError(f"cfg ({type(cfg).__name__}) must be a dict with keys {CONFIG_KEYS}")
-    unknown = sorted(set(cfg) - set(CONFIG_KEYS) - set(OPTIONAL_KEYS))
+    known = CONFIG_KEYS + tuple(OPTIONAL_KEYS) + VARIANT_KEYS
+    unknown = sorted(set(cfg) - set(known))
     if unknown:
-        raise ValueError(
-            f"cfg key {unknown[0]!r} must be one of {CONFIG_KEYS + tuple(OPTIONAL_KEYS)} "
-            f"(unknown keys: {unknown})"
-        )
+        raise ValueError(f"cfg key {unknown[0]!r} must be one of {known} (unknown keys: {unknown})")
     missing = [key for key in CONFIG_KEYS if key not in cfg]
     if missing:
         raise ValueError(f"cfg must have key {missing[0]!r} (missing: {missing})")
@@ -142,7 +151,36 @@ def check_config(cfg) -> dict:
     check_rate("cfg['drop_rate']", cfg["drop_rate"], "the probability of zeroing")
     for key in ("qkv_bias", "tie_word_embeddings"):
         check_bool(f"cfg[{key!r}]", cfg[key])
+    _check_variant(cfg)
     return cfg
+
+
+def _check_variant(cfg) -> None:
+    """At most one of the book's variants, its keys complete and valid."""
+    given = [key for key in ("n_kv_groups", "latent_dim", "sliding_window_size") if key in cfg]
+    if len(given) > 1:
+        raise ValueError(f"cfg keys {given} must not be combined: one attention variant a model")
+    if ("sliding_window_size" in cfg) != ("sliding_window_stride" in cfg):
+        missing = "sliding_window_stride" if "sliding_window_size" in cfg else "sliding_window_size"
+        raise ValueError(f"cfg must have key {missing!r} with the other (the book's SWA model)")
+    for key in ("n_kv_groups", "latent_dim", "sliding_window_size"):
+        if key in cfg:
+            check_positive_int(f"cfg[{key!r}]", cfg[key])
+    if "sliding_window_stride" in cfg:
+        check_int("cfg['sliding_window_stride']", cfg["sliding_window_stride"])
+    if "n_kv_groups" in cfg and cfg["n_heads"] % cfg["n_kv_groups"]:
+        raise ValueError(
+            f"cfg['n_heads'] ({cfg['n_heads']}) must be divisible by cfg['n_kv_groups'] "
+            f"({cfg['n_kv_groups']})"
+        )
+
+
+def _window_layer(cfg, i: int) -> bool:
+    """Whether block ``i`` of the book's SWA model has the window: its K:1 schedule."""
+    stride = int(cfg["sliding_window_stride"])
+    if stride <= 0:
+        return stride < 0  # 0: every layer full; negative: every layer a window
+    return i % (stride + 1) < stride
 
 
 #: What ``dtype`` and ``param_dtype`` take, as the messages name them.
@@ -242,16 +280,24 @@ class TransformerBlock(nnx.Module):
     ):
         cfg = check_config(cfg)
         options = LayerOptions(dtype, param_dtype, precision, implementation)
-        self.att = MultiHeadAttention(
-            d_in=cfg["emb_dim"],
-            d_out=cfg["emb_dim"],
-            context_length=cfg["context_length"],
-            num_heads=cfg["n_heads"],
-            dropout=cfg["drop_rate"],
-            qkv_bias=cfg["qkv_bias"],
-            **options.attention(),
-            rngs=rngs,
-        )
+        d, heads, rate = cfg["emb_dim"], cfg["n_heads"], cfg["drop_rate"]
+        common = dict(context_length=cfg["context_length"], qkv_bias=cfg["qkv_bias"])
+        common.update(options.attention(), rngs=rngs)
+        if "n_kv_groups" in cfg:  # the book's variants: ch04/04_gqa, 05_mla, 06_swa
+            self.att = GroupedQueryAttention(d, d, rate, heads, cfg["n_kv_groups"], **common)
+        elif "latent_dim" in cfg:
+            self.att = MultiHeadLatentAttention(
+                d, d, rate, heads, latent_dim=cfg["latent_dim"], **common
+            )
+        elif "sliding_window_size" in cfg:  # GPTModel sets each block's window (its schedule)
+            self.att = MultiHeadAttentionWithSWA(
+                d, d, rate, heads, sliding_window_size=cfg["sliding_window_size"], **common
+            )
+        else:
+            common.pop("qkv_bias")
+            self.att = MultiHeadAttention(
+                d, d, dropout=rate, num_heads=heads, qkv_bias=cfg["qkv_bias"], **common
+            )
         self.ff = FeedForward(cfg, **options.dense(), rngs=rngs)
         self.norm1 = LayerNorm(cfg["emb_dim"], **options.norm())
         self.norm2 = LayerNorm(cfg["emb_dim"], **options.norm())
@@ -327,6 +373,10 @@ class GPTModel(nnx.Module):
                 for _ in range(cfg["n_layers"])
             ]
         )
+        if "sliding_window_size" in cfg:  # the book's K:1 schedule of window and full layers
+            for i, block in enumerate(self.trf_blocks):
+                if not _window_layer(cfg, i):
+                    block.att.sliding_window_size = block.att.window = None
         self.final_norm = LayerNorm(cfg["emb_dim"], **options.norm())
         if cfg["tie_word_embeddings"]:
             self.out_head = nnx.data(None)
@@ -479,6 +529,12 @@ def weight_names(model: GPTModel, layout: str) -> ModelNames:
     gpt_model_names``), for the head it has now: a head put in place of the book's (chapter 6's
     ``model.out_head = nnx.Linear(emb_dim, num_classes, ...)``) is exported and loaded under
     ``out_head.`` with its own shape in the book's names; Hugging Face's have no such head."""
+    variant = [key for key in VARIANT_KEYS if key in model.cfg]
+    if layout != "documents" and variant:
+        raise ValueError(
+            f"layout ({layout!r}) must be 'documents' for the book's {variant[0]} variant: "
+            "Hugging Face's GPT2LMHeadModel has no such attention"
+        )
     if layout != "documents":
         problem = head_problem(model)
         if problem:
