@@ -245,22 +245,22 @@ def _torch_greedy(twin, ids, steps):
 
 def test_toy_llama_generates_the_twins_tokens_with_the_cache():
     """``generate`` decodes the toy through its decode caches (grouped heads: 2 cached, rotary
-    positions from the caches' length) and makes the twin's greedy tokens; a left-padded batch
-    makes each row's own tokens; a ``cfg`` jit cannot key on is refused."""
+    positions from the caches' length) and makes the twin's greedy tokens for each row of a
+    batch, one of them left-padded; a ``cfg`` jit cannot key on is refused."""
     model, twin = _twins()
     rng = np.random.default_rng(3)
-    prompt = rng.integers(0, CFG["vocab_size"], (1, 5))
-    tokens = generate(model, jnp.asarray(prompt), 12, CFG["context_length"], prompt_bucket=1)
-    np.testing.assert_array_equal(np.asarray(tokens), _torch_greedy(twin, prompt, 12))
-    short = rng.integers(0, CFG["vocab_size"], (1, 3))
+    prompt, short = (
+        rng.integers(0, CFG["vocab_size"], (1, 5)),
+        rng.integers(0, CFG["vocab_size"], (1, 3)),
+    )
     batch = np.concatenate([prompt, np.concatenate([np.zeros((1, 2), int), short], 1)])
     attention_mask = np.concatenate([np.ones((1, 5)), [[0, 0, 1, 1, 1]]]).astype(np.int32)
     out = np.asarray(
-        generate(model, jnp.asarray(batch), 6, CFG["context_length"],
+        generate(model, jnp.asarray(batch), 12, CFG["context_length"],
                  attention_mask=jnp.asarray(attention_mask))
     )  # fmt: skip
-    np.testing.assert_array_equal(out[0], _torch_greedy(twin, prompt, 6)[0])
-    np.testing.assert_array_equal(out[1, 2:], _torch_greedy(twin, short, 6)[0])
+    np.testing.assert_array_equal(out[0], _torch_greedy(twin, prompt, 12)[0])
+    np.testing.assert_array_equal(out[1, 2:], _torch_greedy(twin, short, 12)[0])
     assert model.blocks[0].att.cached_key is None  # generate dropped its caches
     model.cfg = dict(CFG)  # a dict is not hashable: refused by name, not deep inside jit
     with pytest.raises(TypeError, match=r"^model.cfg \(a dict\) must be hashable"):
@@ -278,9 +278,8 @@ def test_grouped_rotary_layer_decodes_as_its_full_pass():
     full = layer(x)
     layer.init_cache(2)
     assert layer.cached_key.shape == (2, 1, 12, 4)  # (b, h_kv, max_length, d)
-    steps = [layer(x[:, :4], decode=True)] + [
-        layer(x[:, i : i + 1], decode=True) for i in range(4, 10)
-    ]
+    decode = nnx.jit(lambda layer, chunk: layer(chunk, decode=True))  # one compile a shape
+    steps = [decode(layer, x[:, :4])] + [decode(layer, x[:, i : i + 1]) for i in range(4, 10)]
     np.testing.assert_allclose(np.concatenate(steps, 1), full, rtol=0, atol=1e-5)
     with pytest.raises(ValueError, match=r"num_kv_heads \(3\) must divide num_heads \(4\)"):
         fa.MultiHeadAttention(16, 16, 12, 0.0, 4, num_kv_heads=3, rngs=nnx.Rngs(0))

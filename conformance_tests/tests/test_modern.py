@@ -219,13 +219,12 @@ def test_the_books_gpt_variants_load_and_generate_its_cached_tokens(variant):
     with torch.no_grad():
         expected = twin(torch.tensor(prompt)).numpy()
     np.testing.assert_allclose(model(jnp.asarray(prompt)), expected, rtol=0, atol=2e-5)
-    tokens = book_modern.generate_text_simple_cached(twin, torch.tensor(prompt), 14)
-    np.testing.assert_array_equal(models.generate(model, prompt, 14, 32), tokens.numpy())
-    padded = np.concatenate([np.zeros((1, 3), int), prompt[:, :3]], axis=1)
-    mask = (np.arange(6) >= 3).astype(np.int32)[None]
-    alone = book_modern.generate_text_simple_cached(twin, torch.tensor(prompt[:, :3]), 9)
-    out = models.generate(model, padded, 9, 32, attention_mask=mask)
-    np.testing.assert_array_equal(np.asarray(out)[:, 3:], alone.numpy())
+    batch = np.concatenate([prompt, np.concatenate([np.zeros((1, 3), int), prompt[:, :3]], 1)])
+    mask = (np.arange(6) >= [[0], [3]]).astype(np.int32)  # the second row left-padded by 3
+    out = np.asarray(models.generate(model, batch, 14, 32, attention_mask=mask))
+    for row, (ids, start) in enumerate(((prompt, 0), (prompt[:, :3], 3))):
+        tokens = book_modern.generate_text_simple_cached(twin, torch.tensor(ids), 14)
+        np.testing.assert_array_equal(out[row, start:], tokens.numpy()[0])
 
 
 def test_the_books_gpt_variant_keys_are_checked_by_name():
