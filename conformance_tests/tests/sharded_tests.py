@@ -805,13 +805,18 @@ NATIVE_T = 64
 
 @pytest.mark.skipif(not native.available(), reason=f"native kernel: {native.why_unavailable()}")
 @pytest.mark.parametrize("kind", AXIS_TYPES)
-@pytest.mark.parametrize("implementation", ["native", None], ids=["native", "default"])
-def test_native_kernel_runs_on_each_devices_heads(implementation, kind):
+@pytest.mark.parametrize(
+    ("implementation", "kv_heads"),
+    [("native", 8), (None, 8), ("native", 4)],
+    ids=["native", "default", "native_grouped"],
+)
+def test_native_kernel_runs_on_each_devices_heads(implementation, kv_heads, kind):
     """On 2x4, ``native`` (asked for, or what the default picks here) runs once per device on
     its 4 batch rows and 2 of the 8 heads, forward and backward (the compiled program's custom
     calls have those operand shapes, no all-gather), and equals one device, output and every
     gradient (in train mode with dropout too: the kernel hashes the global batch and head
-    numbers, so each device drops what one device drops)."""
+    numbers, so each device drops what one device drops). Grouped heads (4 key heads for the
+    8): each device gets its 2 query heads' one key head."""
     rng = np.random.default_rng(11)
     x = rng.standard_normal((B, NATIVE_T, 16)).astype(np.float32)
     q = np.zeros((B, NATIVE_T, 8, 4), np.float32)
@@ -819,8 +824,9 @@ def test_native_kernel_runs_on_each_devices_heads(implementation, kind):
     mesh = make_mesh((2, 4), kind=kind)
     for rate in (0.0, 0.5):
         module = fa.MultiHeadAttention(
-            16, 32, NATIVE_T, rate, num_heads=8, implementation=implementation, rngs=nnx.Rngs(0)
-        )
+            16, 32, NATIVE_T, rate, num_heads=8, num_kv_heads=kv_heads,
+            implementation=implementation, rngs=nnx.Rngs(0),
+        )  # fmt: skip
         if rate == 0.0:
             module.eval()
         cotangent = rng.standard_normal((B, NATIVE_T, 32)).astype(np.float32)
@@ -830,7 +836,8 @@ def test_native_kernel_runs_on_each_devices_heads(implementation, kind):
             actual, hlo = forward_and_grads(sharded, shard_inputs([x], mesh), cotangent)
         what = f"MultiHeadAttention[{implementation}] rate {rate} on 2x4 ({kind})"
         assert_close(reference, actual, what)
-        assert_native_runs_per_shard(hlo, (2, 4), [(B, NATIVE_T, 8, 4)] * 3)
+        kv_shape = (B, NATIVE_T, kv_heads, 4)
+        assert_native_runs_per_shard(hlo, (2, 4), [(B, NATIVE_T, 8, 4), kv_shape, kv_shape])
         if rate:  # dropout did something, and the same on both sides
             module.eval()
             no_dropout, _ = forward_and_grads(module, [x], cotangent)

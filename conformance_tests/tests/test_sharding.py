@@ -35,7 +35,7 @@ GROUPS = {
     # 4 layers x 4 meshes x 2 axis types + 5 others on 2x4, + GPTModel on 2x4 (3)
     "forward_grad": 45,
     "decode": 26,  # 3 decoders x 4 meshes x 2 axis types, + GPTModel's generate x 2
-    "placement": 40,  # the rest: dropout, native, placement, the annotated model x 2
+    "placement": 42,  # the rest: dropout, native (grouped too), placement, the annotated model x 2
 }
 
 
