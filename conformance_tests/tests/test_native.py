@@ -15,6 +15,8 @@ the kernel switched off.
 
 from __future__ import annotations
 
+import functools
+import itertools
 import os
 import platform
 import subprocess
@@ -526,3 +528,32 @@ def test_the_library_records_the_jaxlib_whose_ffi_it_was_built_for():
 
     (library,) = sorted(native._HERE.glob("_attention*.so"))[-1:]
     assert native._built_with(ctypes.CDLL(str(library))) == importlib.metadata.version("jaxlib")
+
+
+@pytestmark_native
+def test_grouped_heads_and_a_window_on_both_products():
+    """Grouped key heads (4 query heads over 2) and a sliding window of 5 on the BLAS's and the
+    micro-kernel's products (its keys transposed per key head), tiles that cross the window's
+    edge and skip the tiles before it: forward and gradients equal ``reference``."""
+    rng = np.random.default_rng(7)
+    q = jnp.asarray(rng.standard_normal((2, 37, 4, 16)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((2, 37, 2, 16)), jnp.float32) for _ in "kv")
+    cotangent = jnp.asarray(rng.standard_normal((2, 37, 4, 16)), jnp.float32)
+    mask = AttentionMask(is_causal=True, window=5)
+
+    def grads(attend):
+        def loss(q, k, v):
+            out = attend(q, k, v)
+            return (out * cotangent).sum(), out
+
+        (_, out), (dq, dk, dv) = jax.value_and_grad(loss, (0, 1, 2), has_aux=True)(q, k, v)
+        return {"out": out, "dq": dq, "dk": dk, "dv": dv}
+
+    expected = grads(
+        lambda q, k, v: core.dot_product_attention(q, k, v, is_causal=True, window=5)[0]
+    )
+    products = ["blas", *(["micro"] if native._micro_width() else [])]
+    for name, (block_q, block_k) in itertools.product(products, [(0, 0), (8, 16)]):
+        tiles = {"block_q": block_q, "block_k": block_k, "products": name}
+        actual = grads(functools.partial(native.native_attention, attention_mask=mask, **tiles))
+        _assert_close(expected, actual, f"{name}, block_q {block_q}, block_k {block_k}")
