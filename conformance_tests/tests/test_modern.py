@@ -242,3 +242,56 @@ def test_the_books_gpt_variant_keys_are_checked_by_name():
     model = models.GPTModel({**GPT_CFG, "n_kv_groups": 2}, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match=r"layout \('gpt2'\) must be 'documents' for the book's"):
         fa.state_dict(model, layout="gpt2")
+
+
+def _book_kv_bytes(batch, tokens, head_dim, kv_heads, layers, nbytes):
+    """The book's estimators' formula (``memory_estimator_gqa.py``, ``_swa.py``): keys and values
+    of every cached token, per layer."""
+    return batch * tokens * head_dim * kv_heads * 2 * nbytes * layers
+
+
+def test_each_variants_cache_bytes_are_the_books_estimate():
+    """A whole model's decode caches, in bytes, against the book's memory estimators: full
+    attention and grouped heads ``b * T * head_dim * kv_heads * 2`` per layer, the latent ``b * T
+    * latent_dim`` (``memory_estimator_mla.py``), a window layer ``min(T, W)`` tokens (``_swa.py``,
+    its K:1 schedule); bfloat16 halves each."""
+    from flax_attention import models
+
+    cfg, batch, tokens = {**GPT_CFG, "n_layers": 4}, 2, 32
+    head_dim, heads = cfg["emb_dim"] // cfg["n_heads"], cfg["n_heads"]
+
+    def cache_bytes(keys, dtype=jnp.float32):
+        model = models.GPTModel({**cfg, **keys}, rngs=nnx.Rngs(0))
+        model.init_cache(batch, tokens, dtype=dtype)
+        arrays = [
+            getattr(block.att, name)
+            for block in model.trf_blocks
+            for name in ("cached_key", "cached_value", "cached_latent")
+            if getattr(block.att, name, None) is not None
+        ]
+        return sum(a.size * a.dtype.itemsize for a in arrays)
+
+    def book(kv_heads, nbytes=4, layers=4, cached=tokens):
+        return _book_kv_bytes(batch, cached, head_dim, kv_heads, layers, nbytes)
+
+    assert cache_bytes({}) == book(heads)
+    assert cache_bytes({}, jnp.bfloat16) == book(heads, 2)
+    assert cache_bytes({"n_kv_groups": 2}) == book(2)  # the layer's 2 key heads
+    assert cache_bytes({"latent_dim": 8}) == batch * tokens * 4 * 8 * 4
+    swa = {"sliding_window_size": 4, "sliding_window_stride": 3}  # 3 window layers, 1 full
+    assert cache_bytes(swa) == book(heads, layers=3, cached=4) + book(heads, layers=1)
+
+
+def test_the_book_estimators_printed_totals_are_the_layers_caches():
+    """The book's READMEs print their estimators' totals (17.18 GB of MHA cache, 4.29 GB
+    grouped, 3.14 GB with 5:1 sliding windows, 0.81 GB of latent); the layers' own caches, built
+    abstractly at those settings (``benchmarks.cache_memory``), hold exactly that much."""
+    from benchmarks import cache_memory
+
+    rows = {(setting, variant): n for setting, variant, n, _ in cache_memory.table()}
+    assert len(cache_memory.BOOK) == 4
+    for key, printed in cache_memory.BOOK.items():
+        assert cache_memory.gigabytes(rows[key]) == printed, key
+    gpt2 = "GPT-2 small, 1024 tokens, fp32"
+    assert rows[(gpt2, "MHA")] == 12 * 1024 * 768 * 2 * 4  # 12 layers of keys and values
+    assert rows[(gpt2, "MLA (latent 96)")] == 12 * 1024 * 96 * 4
