@@ -22,6 +22,10 @@ layer-scaled scores, nnx's ``normalize_qk``, grouped key/value heads or another
 ``attention_fn``) is a ``ValueError`` naming the option. The new layer is in ``eval()`` mode when
 the peer is (torch ``training``, nnx ``deterministic``).
 
+What a ``torch_reference`` layer becomes is the registry's (``flax_attention.layouts``): the
+registered class of the torch class's name, built with the arguments its ``Names.from_torch_args``
+reads from the torch module; a class registered without one is refused as any other module is.
+
 This module never imports torch: a torch module is read through its attributes and
 ``state_dict()`` (``tensor.detach().cpu().numpy()``), so ``import flax_attention`` stays torch-free.
 """
@@ -33,10 +37,9 @@ from flax import nnx
 
 from flax_attention._checks import check_bool
 from flax_attention.annotated import MultiHeadedAttention
-from flax_attention.causal import CausalAttention, MultiHeadAttentionWrapper
+from flax_attention.layouts import registered
 from flax_attention.mesh import fetch
 from flax_attention.multihead import MultiHeadAttention
-from flax_attention.self_attention import SelfAttention_v1, SelfAttention_v2
 from flax_attention.weights import load_state_dict
 
 __all__ = ["from_torch", "from_nnx"]
@@ -91,18 +94,14 @@ def _causal_options(peer: str, options: dict) -> int | None:
     return context_length
 
 
-#: ``torch_reference`` class name -> the Flax layer of the same name.
-_REFERENCE_LAYERS = {
-    layer.__name__: layer
-    for layer in (
-        SelfAttention_v1,
-        SelfAttention_v2,
-        CausalAttention,
-        MultiHeadAttentionWrapper,
-        MultiHeadAttention,
-        MultiHeadedAttention,
-    )
-}
+def _reference_layer(name: str):
+    """The registered class named ``name`` (a ``torch_reference`` class's name) and how its
+    arguments are read from the torch module (``Names.from_torch_args``); ``None`` if no
+    registered class of that name has one."""
+    for cls, names in registered():
+        if cls.__name__ == name and names.from_torch_args is not None:
+            return cls, names.from_torch_args
+    return None
 
 
 def _mode(layer, training: bool):
@@ -111,33 +110,12 @@ def _mode(layer, training: bool):
     return layer
 
 
-def _from_reference(module, options: dict):
+def _from_reference(module, layer_class: type, from_torch_args, options: dict):
+    """``layer_class(*from_torch_args(module, state))`` with ``module``'s weights (``state``)."""
     name = type(module).__name__
     flax = _check_options(f"a torch_reference {name}", options, _FLAX_OPTIONS)
     state = _torch_state(module)
-    match name:
-        case "SelfAttention_v1":
-            args = state["W_query"].shape
-        case "SelfAttention_v2":
-            d_out, d_in = state["W_query.weight"].shape
-            args = (d_in, d_out, "W_query.bias" in state)
-        case "CausalAttention":
-            d_out, d_in = state["W_query.weight"].shape
-            bias = "W_query.bias" in state
-            args = (d_in, d_out, state["mask"].shape[0], module.dropout.p, bias)
-        case "MultiHeadAttentionWrapper":
-            d_out, d_in = state["heads.0.W_query.weight"].shape
-            head = module.heads[0]
-            bias = "heads.0.W_query.bias" in state
-            args = (d_in, d_out, state["heads.0.mask"].shape[0], head.dropout.p, len(module.heads))
-            args += (bias,)
-        case "MultiHeadAttention":
-            d_out, d_in = state["W_query.weight"].shape
-            bias = "W_query.bias" in state
-            args = (d_in, d_out, state["mask"].shape[0], module.dropout.p, module.num_heads, bias)
-        case _:  # MultiHeadedAttention
-            args = (module.num_heads, state["proj_weights.0.weight"].shape[1], module.dropout.p)
-    layer = _REFERENCE_LAYERS[name](*args, **flax)
+    layer = layer_class(*from_torch_args(module, state), **flax)
     load_state_dict(layer, state)
     return _mode(layer, module.training)
 
@@ -230,8 +208,11 @@ def from_torch(module, **options):
     (default ``nnx.Rngs(0)``), ``dtype``, ``param_dtype``, ``precision``, ``implementation``.
     """
     name = type(module).__name__
-    if type(module).__module__.startswith("torch_reference") and name in _REFERENCE_LAYERS:
-        return _from_reference(module, dict(options))
+    reference = None
+    if type(module).__module__.startswith("torch_reference"):
+        reference = _reference_layer(name)  # None: no registered class of that name has one
+    if reference is not None:
+        return _from_reference(module, *reference, dict(options))
     if name == "MultiheadAttention" and hasattr(module, "embed_dim"):
         return _from_torch_nn(module, dict(options))
     if name == "GPT2Attention" and hasattr(module, "c_attn"):

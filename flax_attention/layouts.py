@@ -26,7 +26,12 @@ layout          peer                                   keys
 ==============  =====================================  ==========================================
 
 Which class takes which layout, and under which names, is one registry (``register``, ``Names``),
-looked up by class (a registered class's subclasses inherit its entry):
+looked up by class (a registered class's subclasses inherit its entry). Each class's entry also
+holds the rest of what is known of it class by class, so that it is written once: how
+``interop.from_torch`` reads its constructor's arguments from its ``torch_reference`` twin
+(``from_torch_args``, looked up by the torch class's name), and the hooks by which a family of
+modules refuses a layout or explains a failed load (``layout_refusal``, ``load_hint``, asked of
+every module):
 
 ==================================  =============================================================
 class                               its ``Names``
@@ -38,18 +43,23 @@ class                               its ``Names``
                                     ``out_proj``; buffer ``mask``
 ``MultiHeadedAttention``            ``documents``, ``torch_nn``, ``fused_qkv``; roles
                                     ``proj_weights.0`` .. ``.3``
+(each of the six above)             ``from_torch_args`` (sizes from the state dict's shapes,
+                                    ``dropout`` and ``num_heads`` from the module)
 ``models.GPTModel``                 ``documents`` (a tied head's ``out_head.weight``), ``gpt2``
                                     (``GPT2LMHeadModel``'s names: ``gpt_model_names``)
 ``models.annotated.EncoderDecoder`` ``documents`` under the post's names (``linears.{i}``:
                                     ``encoder_decoder_names``)
-``models.lora.LinearWithLoRA``,     ``documents`` only (the book's appendix E names)
-``LoRALayer``
+``models.lora.LinearWithLoRA``,     ``documents`` only (the book's appendix E names);
+``LoRALayer``                       ``LoRALayer``'s hooks: a module holding LoRA matrices refuses
+                                    the peers' layouts, and a LoRA state dict offered to a plain
+                                    model (or the converse) says so in the error's first line
 ``models.quantized.Int8Linear``,    ``documents``; ``kernel``/``embedding`` held as int8, exported
 ``Int8Embed``                       times ``scale`` (``dequantized``)
 ==================================  =============================================================
 
 The layers are registered here; each model is registered by one line where it is defined (the
-models import this package, not the converse). Inside any module the bridge names nnx's variables
+models import this package, not the converse; ``flax_attention.models`` imports them all, so
+their hooks are asked once it is imported). Inside any module the bridge names nnx's variables
 as torch does (``TORCH_VARIABLES``: a ``kernel`` is the transpose of ``nn.Linear``'s ``weight``,
 an ``embedding`` ``nn.Embedding``'s ``weight``); every other variable keeps its path.
 
@@ -69,7 +79,8 @@ registered layers' buffers included::
 ``Names(layouts=(...), roles={...})`` lets an attention layer of your own take the peers'
 layouts (its q, k, v, o projections' own names); ``Names(model=fn)`` gives a model other names,
 ``fn(model, layout) -> ModelNames`` (as ``gpt_model_names``), and ``buffers`` declares buffers
-its torch counterpart carries that are not Flax state.
+its torch counterpart carries that are not Flax state. ``layout_refusal`` and ``load_hint``
+(``Names``' docstring) give a family of modules of yours its own refusals and hints.
 """
 
 from __future__ import annotations
@@ -97,6 +108,7 @@ __all__ = [
     "layers_taking",
     "names_of",
     "register",
+    "registered",
 ]
 
 
@@ -248,7 +260,8 @@ ROLE_NAMES = ("q", "k", "v", "o")
 
 
 class Names(NamedTuple):
-    """How the weight bridge names one class's weights (``register``).
+    """How the weight bridge names one class's weights (``register``), and the class's other
+    per-class knowledge the bridge and ``interop`` ask for (the one place it is written).
 
     ``layouts``: the layouts it takes (``"documents"``, the graph's own names, always among
     them). ``roles``: an attention layer's projections, ``{"q": "W_query", "k": ..., "v": ...,
@@ -260,6 +273,25 @@ class Names(NamedTuple):
     attention layers' prefixes, tied aliases); ``None``: the graph's paths. ``dequantized``:
     ``(weight, scale)`` pairs, a weight held quantized and exported as ``weight * scale`` (one
     scale per output feature), which a load refuses.
+
+    ``from_torch_args``: for a class the documents define (``torch_reference`` has a class of
+    the same name), its constructor's positional arguments read from such a torch module,
+    ``from_torch_args(module, state) -> tuple``, ``state`` its ``state_dict()`` as NumPy arrays
+    under the documents' names (sizes from the weights, ``dropout`` and the like from the
+    module's attributes): ``interop.from_torch`` builds the class with them and loads ``state``.
+    ``None``: ``from_torch`` refuses a torch module of that name.
+
+    Two hooks the bridge asks of *every* module, whatever its class (a class's instances may
+    sit anywhere in another model's graph, or be absent where a state dict expected them), so
+    that what only one family of modules knows stays where that family is defined (appendix
+    E's LoRA layers, ``flax_attention.models.lora``). ``layout_refusal(module, layout) -> str``:
+    why ``module`` cannot be read or written in ``layout`` (a ``Layout`` other than
+    ``"documents"``) though its class takes it, the whole ``ValueError`` message, ``""`` if
+    nothing stops it; a layout refused so is never suggested either. ``load_hint(module,
+    missing, unexpected, state_dict) -> str``: after a strict load that found problems, the line
+    that says what went wrong as a whole (a state dict of models with these modules offered to a
+    model without them, or the converse), ``""`` if none; the first non-empty one heads the
+    error (else the line naming a better layout, if any).
     """
 
     layouts: tuple[str, ...] = ("documents",)
@@ -267,6 +299,9 @@ class Names(NamedTuple):
     buffers: tuple[tuple[str, Callable[[Any], np.ndarray]], ...] = ()
     model: Callable[[Any, str], ModelNames] | None = None
     dequantized: tuple[tuple[str, str], ...] = ()
+    from_torch_args: Callable[[Any, Mapping[str, np.ndarray]], tuple] | None = None
+    layout_refusal: Callable[[Any, Layout], str] | None = None
+    load_hint: Callable[[Any, list, list, Any], str] | None = None
 
 
 #: class -> its names, in registration order.
@@ -309,6 +344,11 @@ def names_of(module) -> tuple[type, Names] | None:
         if cls in _REGISTRY:
             return cls, _REGISTRY[cls]
     return None
+
+
+def registered() -> tuple[tuple[type, Names], ...]:
+    """Every registered class and its ``Names``, in registration order."""
+    return tuple(_REGISTRY.items())
 
 
 def layers_taking(layout: str) -> tuple[str, ...]:
@@ -370,16 +410,60 @@ def _causal_mask(layer) -> np.ndarray:
 
 _MASK = (("mask", _causal_mask),)
 
-register(SelfAttention_v1, Names())
-register(SelfAttention_v2, Names())
-register(CausalAttention, Names(buffers=_MASK))
-register(MultiHeadAttentionWrapper, Names())  # its heads are CausalAttention: heads.{i}.mask
+
+# Each layer's constructor arguments read from its torch_reference twin (Names.from_torch_args):
+# sizes from the state dict's shapes (torch's (out, in) weights), a bias from its presence,
+# context_length from the mask buffer, the rest from the module's attributes.
+
+
+def _v1_args(module, state) -> tuple:  # SelfAttention_v1(d_in, d_out): W_query (d_in, d_out)
+    return tuple(state["W_query"].shape)
+
+
+def _v2_args(module, state) -> tuple:  # SelfAttention_v2(d_in, d_out, qkv_bias)
+    d_out, d_in = state["W_query.weight"].shape
+    return d_in, d_out, "W_query.bias" in state
+
+
+def _causal_args(module, state) -> tuple:
+    # CausalAttention(d_in, d_out, context_length, dropout, qkv_bias)
+    d_out, d_in = state["W_query.weight"].shape
+    bias = "W_query.bias" in state
+    return d_in, d_out, state["mask"].shape[0], module.dropout.p, bias
+
+
+def _wrapper_args(module, state) -> tuple:
+    # MultiHeadAttentionWrapper(d_in, d_out, context_length, dropout, num_heads, qkv_bias)
+    d_out, d_in = state["heads.0.W_query.weight"].shape
+    head = module.heads[0]
+    bias = "heads.0.W_query.bias" in state
+    context_length = state["heads.0.mask"].shape[0]
+    return d_in, d_out, context_length, head.dropout.p, len(module.heads), bias
+
+
+def _multihead_args(module, state) -> tuple:
+    # MultiHeadAttention(d_in, d_out, context_length, dropout, num_heads, qkv_bias)
+    d_out, d_in = state["W_query.weight"].shape
+    bias = "W_query.bias" in state
+    return d_in, d_out, state["mask"].shape[0], module.dropout.p, module.num_heads, bias
+
+
+def _multiheaded_args(module, state) -> tuple:  # MultiHeadedAttention(num_heads, d_model, dropout)
+    return module.num_heads, state["proj_weights.0.weight"].shape[1], module.dropout.p
+
+
+register(SelfAttention_v1, Names(from_torch_args=_v1_args))
+register(SelfAttention_v2, Names(from_torch_args=_v2_args))
+register(CausalAttention, Names(buffers=_MASK, from_torch_args=_causal_args))
+# its heads are CausalAttention: heads.{i}.mask
+register(MultiHeadAttentionWrapper, Names(from_torch_args=_wrapper_args))
 register(
     MultiHeadAttention,
     Names(
         layouts=("documents", "torch_nn", "gpt2", "fused_qkv"),
         roles={"q": "W_query", "k": "W_key", "v": "W_value", "o": "out_proj"},
         buffers=_MASK,
+        from_torch_args=_multihead_args,
     ),
 )
 register(
@@ -387,5 +471,6 @@ register(
     Names(
         layouts=("documents", "torch_nn", "fused_qkv"),
         roles={role: f"proj_weights.{i}" for i, role in enumerate(ROLE_NAMES)},
+        from_torch_args=_multiheaded_args,
     ),
 )

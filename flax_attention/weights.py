@@ -19,9 +19,12 @@ export. Loading into a module placed by ``flax_attention.shard`` keeps every par
 
 Which modules these functions take, and under which names, is the registry in
 ``flax_attention.layouts`` (``register(cls, Names(...))``, looked up by class): every layer here,
-``GPTModel``, the post's ``EncoderDecoder``, appendix E's LoRA layers, the int8 layers; a module
-of another class is refused until its class is registered (``docs/weights.md``, "Your own
-modules"). Other peers' names (``layout="torch_nn"``, ``"gpt2"``, ``"fused_qkv"``) are
+and each model class where ``flax_attention.models`` defines it; a module of another class is
+refused until its class is registered (``docs/weights.md``, "Your own modules"). What only one
+family of modules knows (a layout its modules cannot take, the line that explains a failed load
+of its state dicts) is not written here either: each registered ``Names``' ``layout_refusal``
+and ``load_hint`` are asked, for every module, where this module would otherwise need to know
+them. Other peers' names (``layout="torch_nn"``, ``"gpt2"``, ``"fused_qkv"``) are
 descriptions there too: each of their keys is a concatenation of the documents' keys (q, k, v
 stacked), stored transposed or not. Every layout goes through the same checks below, so a key's
 problems read the same whatever the layout; ``prefix`` picks one layer's keys out of a model's.
@@ -54,6 +57,7 @@ from flax_attention.layouts import (
     Names,
     layers_taking,
     names_of,
+    registered,
 )
 from flax_attention.mesh import fetch, place
 
@@ -184,47 +188,34 @@ def _layout(module: nnx.Module, layout) -> Layout:
             f"layout ({layout!r}) must be one of the layouts {_class_name(module)} takes "
             f"{_takes(module)} (layout {layout!r} is for {', '.join(layers_taking(layout))})"
         )
-    lora = _lora_keys(module) if spec.name != "documents" else []
-    if lora:
-        raise ValueError(
-            f"layout ({layout!r}) must be 'documents' for a module with LoRA layers "
-            f"({len(lora)} LoRA matrices, such as {lora[0]}: the "
-            f"book's appendix E names them, {spec.peer} does not); "
-            "flax_attention.models.lora.merge_lora(model) folds them into the plain model first"
-        )
+    refusal = _layout_refusal(module, spec)
+    if refusal:
+        raise ValueError(refusal)
     return spec
 
 
-def _lora_keys(module: nnx.Module) -> list[str]:
-    """The torch names of ``module``'s LoRA matrices (``nnx.LoRAParam``: appendix E's ``A`` and
-    ``B``, ``flax_attention.models.lora``), in graph order."""
-    return [
-        ".".join(str(part) for part in path)
-        for path, node in nnx.iter_graph(module)
-        if isinstance(node, nnx.LoRAParam)
-    ]
+def _layout_refusal(module: nnx.Module, spec: Layout) -> str:
+    """Why ``module`` cannot take ``spec`` though its class does: the first registered
+    ``Names.layout_refusal`` that says so (every registered class's, whatever ``module``'s
+    class: such modules may be anywhere in its graph); ``""`` if none does, and always for the
+    documents' own names."""
+    if spec.name == "documents":
+        return ""
+    for _, names in registered():
+        refusal = names.layout_refusal(module, spec) if names.layout_refusal else ""
+        if refusal:
+            return refusal
+    return ""
 
 
-def _lora_hint(module: nnx.Module, missing, unexpected, state_dict) -> str:
-    """The line that says a LoRA model's state dict meets a plain model, or the converse
-    (``flax_attention.models.lora``); ``""`` otherwise."""
-    offered = [k for k in unexpected if isinstance(k, str) and k.endswith(".lora.A")]
-    if offered and not _lora_keys(module):
-        shape = tuple(getattr(state_dict[offered[0]], "shape", ()))
-        rank = shape[1] if len(shape) == 2 else "r"
-        return (
-            f"state_dict (a LoRA model's: {len(offered)} keys such as {offered[0]}, rank {rank}) "
-            "must be loaded into a model with LoRA layers (call "
-            f"flax_attention.models.lora.replace_linear_with_lora(model, rank={rank}, alpha=..., "
-            "rngs=...) first)"
-        )
-    plain = [k for k in missing if k.endswith(".linear.weight")]
-    if plain and plain[0].replace(".linear.weight", ".weight") in unexpected:
-        return (
-            f"state_dict (a model's without LoRA: {plain[0].replace('.linear.weight', '.weight')} "
-            f"where this model has {plain[0]}) must be loaded before replace_linear_with_lora "
-            "(load the base weights, then add the LoRA layers)"
-        )
+def _load_hint(module: nnx.Module, missing, unexpected, state_dict) -> str:
+    """The line that heads a failed strict load's error: the first registered
+    ``Names.load_hint`` that gives one (every registered class's, whatever ``module``'s class:
+    the offered state dict may be of modules this one lacks); ``""`` if none does."""
+    for _, names in registered():
+        hint = names.load_hint(module, missing, unexpected, state_dict) if names.load_hint else ""
+        if hint:
+            return hint
     return ""
 
 
@@ -626,8 +617,8 @@ def load_state_dict(
         unexpected += [key for key in state_dict.keys() if not isinstance(key, str)]
     mismatched, problems, updates = _check_values(targets, values, prefix)
     if strict and (missing or unexpected or mismatched):
-        hint = _lora_hint(module, missing, unexpected, state_dict)
-        if unexpected and not hint and not _lora_keys(module):
+        hint = _load_hint(module, missing, unexpected, state_dict)
+        if unexpected and not hint:
             hint = _other_layout(module, spec, targets, given)
         raise _strict_error(module, spec, prefix, missing, unexpected, problems, hint)
     placements = [_placement(variable) for variable, _ in updates]
@@ -690,6 +681,8 @@ def _other_layout(module, spec: Layout, targets: dict[str, _Target], given: dict
     best, best_known = None, known
     for other in LAYOUTS.values():
         if other.name == spec.name or other.name not in _takes(module):
+            continue
+        if _layout_refusal(module, other):  # refused for this module (a Names.layout_refusal)
             continue
         try:
             fits = sum(name in _targets(module, other, given) for name in given)

@@ -14,6 +14,8 @@ arguments and bad state dicts raise.
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import numpy as np
 import optax
@@ -407,6 +409,40 @@ def test_lora_and_plain_state_dicts_meeting_the_other_model_say_so_and_load_noth
         f"layout ('gpt2') must be 'documents' for a module with LoRA layers ({2 * WRAPPED} LoRA "
         "matrices, such as "
     ), str(caught.value)
+
+
+_ONLY_THE_PACKAGES = """
+import numpy as np
+from flax import nnx
+
+import flax_attention as fa
+from flax_attention import models  # noqa: F401 - as a user who builds a model has
+
+layer = fa.MultiHeadAttention(8, 8, 4, 0.0, 2, rngs=nnx.Rngs(0))
+offered = dict(fa.state_dict(layer))
+offered["W_query.linear.weight"] = offered.pop("W_query.weight")
+offered["W_query.lora.A"] = np.zeros((8, 2), np.float32)
+offered["W_query.lora.B"] = np.zeros((2, 8), np.float32)
+try:
+    fa.load_state_dict(layer, offered)
+except ValueError as error:
+    print(str(error).splitlines()[1].strip())
+"""
+
+
+def test_the_lora_hint_needs_only_flax_attention_models_imported():
+    """The weight bridge knows nothing of LoRA: appendix E's rules are ``LoRALayer``'s
+    registered hooks (``layouts.Names.load_hint``), which ``import flax_attention.models``
+    registers; a fresh interpreter that imports no more gives the hint."""
+    result = subprocess.run(
+        [sys.executable, "-c", _ONLY_THE_PACKAGES], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == (
+        "state_dict (a LoRA model's: 1 keys such as W_query.lora.A, rank 2) must be loaded into "
+        "a model with LoRA layers (call flax_attention.models.lora.replace_linear_with_lora(model, "
+        "rank=2, alpha=..., rngs=...) first)"
+    ), result.stdout
 
 
 def test_every_lora_message_is_listed_in_docs_errors():

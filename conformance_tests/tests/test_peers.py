@@ -345,13 +345,15 @@ def test_from_torch_option_errors():
 
 # ---- torch_reference ---------------------------------------------------------------------------
 
+# Each dropout rate its own (the modules run in eval(), so the outputs still agree): a layer built
+# with another rate than its twin's is caught below.
 _REFERENCE = [
     ("SelfAttention_v1", (4, 6)),
     ("SelfAttention_v2", (4, 6, True)),
-    ("CausalAttention", (4, 6, 5, 0.0, True)),
-    ("MultiHeadAttentionWrapper", (4, 3, 5, 0.0, 2)),
-    ("MultiHeadAttention", (4, 6, 5, 0.0, 3, True)),
-    ("MultiHeadedAttention", (2, 6, 0.0)),
+    ("CausalAttention", (4, 6, 5, 0.1, True)),
+    ("MultiHeadAttentionWrapper", (4, 3, 5, 0.2, 2)),
+    ("MultiHeadAttention", (4, 6, 5, 0.3, 3, True)),
+    ("MultiHeadedAttention", (2, 6, 0.4)),
 ]
 
 
@@ -361,6 +363,9 @@ def test_from_torch_reference_layers(name, args):
     module = getattr(tr, name)(*args).eval()
     layer = fa.from_torch(module)
     assert type(layer).__name__ == name
+    rates = sorted(node.rate for _, node in nnx.iter_graph(layer) if isinstance(node, nnx.Dropout))
+    want_rates = sorted(m.p for m in module.modules() if isinstance(m, torch.nn.Dropout))
+    assert rates == want_rates, (name, rates, want_rates)
     d_in = 6 if name == "MultiHeadedAttention" else 4
     x = _x(2, 5, d_in) if name not in ("SelfAttention_v1", "SelfAttention_v2") else _x(5, d_in)
     inputs = (x,) * (3 if name == "MultiHeadedAttention" else 1)

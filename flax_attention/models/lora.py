@@ -40,7 +40,11 @@ moves under ``linear`` and its update under ``lora``: ``trf_blocks.0.att.W_query
 ``trf_blocks.0.att.W_query.lora.A`` ``(in_dim, rank)``, ``...W_query.lora.B`` ``(rank,
 out_dim)``, as the book's ``model.state_dict()`` after ``replace_linear_with_lora``. A LoRA model
 has names in the book's layout only; ``merge_lora`` gives back the plain model and all its
-layouts (GPT-2's included).
+layouts (GPT-2's included). Both rules are this module's, given to the weight bridge through
+``LoRALayer``'s registration (``flax_attention.layouts.Names``' ``layout_refusal`` and
+``load_hint``): a peer's layout for a LoRA model is refused naming ``merge_lora``, and a LoRA
+state dict offered to a model without LoRA layers (or the converse) says so in the error's first
+line.
 
 Shape legend: ``...`` leading axes (batch, tokens), ``d_in`` = ``in_dim``, ``r`` = ``rank``,
 ``d_out`` = ``out_dim``.
@@ -205,8 +209,58 @@ class LinearWithLoRA(nnx.Module):
         return self.linear
 
 
-# The book's appendix E names (linear.weight, lora.A, lora.B): the documents' layout only.
-register(LoRALayer, Names())
+def _lora_keys(module: nnx.Module) -> list[str]:
+    """The torch names of ``module``'s LoRA matrices (``nnx.LoRAParam``: appendix E's ``A`` and
+    ``B``), in graph order."""
+    return [
+        ".".join(str(part) for part in path)
+        for path, node in nnx.iter_graph(module)
+        if isinstance(node, nnx.LoRAParam)
+    ]
+
+
+def _layout_refusal(module: nnx.Module, layout) -> str:
+    """``Names.layout_refusal``: a module holding LoRA matrices has the book's appendix E names
+    only, no peer's ``layout`` (a ``flax_attention.layouts.Layout``); ``""`` for one without."""
+    lora = _lora_keys(module)
+    if not lora:
+        return ""
+    return (
+        f"layout ({layout.name!r}) must be 'documents' for a module with LoRA layers "
+        f"({len(lora)} LoRA matrices, such as {lora[0]}: the "
+        f"book's appendix E names them, {layout.peer} does not); "
+        "flax_attention.models.lora.merge_lora(model) folds them into the plain model first"
+    )
+
+
+def _load_hint(module: nnx.Module, missing, unexpected, state_dict) -> str:
+    """``Names.load_hint``: the line that says a LoRA model's state dict meets a model without
+    LoRA layers (whatever its class: the hook is asked of every module), or a plain model's
+    state dict a LoRA model; ``""`` otherwise."""
+    offered = [k for k in unexpected if isinstance(k, str) and k.endswith(".lora.A")]
+    if offered and not _lora_keys(module):
+        shape = tuple(getattr(state_dict[offered[0]], "shape", ()))
+        rank = shape[1] if len(shape) == 2 else "r"
+        return (
+            f"state_dict (a LoRA model's: {len(offered)} keys such as {offered[0]}, rank {rank}) "
+            "must be loaded into a model with LoRA layers (call "
+            f"flax_attention.models.lora.replace_linear_with_lora(model, rank={rank}, alpha=..., "
+            "rngs=...) first)"
+        )
+    plain = [k for k in missing if k.endswith(".linear.weight")]
+    if plain and plain[0].replace(".linear.weight", ".weight") in unexpected:
+        return (
+            f"state_dict (a model's without LoRA: {plain[0].replace('.linear.weight', '.weight')} "
+            f"where this model has {plain[0]}) must be loaded before replace_linear_with_lora "
+            "(load the base weights, then add the LoRA layers)"
+        )
+    return ""
+
+
+# The book's appendix E names (linear.weight, lora.A, lora.B): the documents' layout only. The
+# hooks, asked by the weight bridge of every module once this module is imported (as importing
+# flax_attention.models does), are registered once, with LoRALayer (the LoRA matrices' holder).
+register(LoRALayer, Names(layout_refusal=_layout_refusal, load_hint=_load_hint))
 register(LinearWithLoRA, Names())
 
 
