@@ -131,6 +131,20 @@ LAYER_SPECS: dict[str, LayerSpec] = {
             dropout_on=_WEIGHTS_DROPOUT,
             causal=True,
         ),
+        *(
+            LayerSpec(
+                name,
+                params=("d_in", "d_out", "dropout", "num_heads", *extra),
+                dropout_arg=2,
+                dropout_on=_WEIGHTS_DROPOUT,
+                causal=True,
+            )
+            for name, extra in (
+                ("GroupedQueryAttention", ("num_kv_groups",)),
+                ("MultiHeadLatentAttention", ()),
+                ("MultiHeadAttentionWithSWA", ()),
+            )
+        ),
         LayerSpec(
             "MultiHeadedAttention",
             inputs=("query", "key", "value"),

@@ -141,7 +141,8 @@ def build_pair(
         return getattr(tr, case.layer), getattr(fa, case.layer)
     args = constructor_args(case, dropout)
     torch.manual_seed(case.seed)
-    torch_module = getattr(tr, case.layer)(*args).eval()
+    kwargs = dict(case.kwargs)
+    torch_module = getattr(tr, case.layer)(*args, **kwargs).eval()
     clones = case.layer_spec.equal_clones
     if distinct_clones and clones is not None:
         for clone in getattr(torch_module, clones):
@@ -149,7 +150,7 @@ def build_pair(
     rngs = dict(params=case.seed, dropout=case.seed if dropout_seed is None else dropout_seed)
 
     def make_flax():
-        return getattr(fa, case.layer)(*args, dtype=DTYPES[dtype], rngs=nnx.Rngs(**rngs))
+        return getattr(fa, case.layer)(*args, **kwargs, dtype=DTYPES[dtype], rngs=nnx.Rngs(**rngs))
 
     flax_module = make_flax() if draws else nnx.eval_shape(make_flax)
     if mesh is not None:  # before the load, which then places each weight where it goes
@@ -170,7 +171,7 @@ def mesh_skip_reason(case: Case, backend) -> str | None:
     mesh's ``model`` axis, as ``flax_attention.shard`` would say), or ``None``."""
     if backend.mesh is None or case.is_function:
         return None
-    module = getattr(fa, case.layer)(*constructor_args(case), rngs=nnx.Rngs(0))
+    module = getattr(fa, case.layer)(*constructor_args(case), **dict(case.kwargs), rngs=nnx.Rngs(0))
     try:
         fa.sharding.check_shardable(module, backend.mesh)
     except ValueError as error:

@@ -59,6 +59,8 @@ class Case:
       name: unique id (pytest ids and report rows use it).
       layer: a name in ``LAYERS`` or ``FUNCTIONS``.
       args: positional constructor arguments (layers) or trailing call arguments (functions).
+      kwargs: keyword constructor arguments, ``(name, value)`` pairs, the same for both packages
+        (the book's modern layers' ``latent_dim``, ``sliding_window_size``, ``qkv_bias``).
       inputs: one shape per positional input, or ``DOCUMENTS``/``DOCUMENTS_BATCH``.
       mask: ``None``, ``"causal"``, ``"padding"`` or ``"fully_masked_row"``.
       checks: the checks that apply (``CHECKS`` minus what makes no sense for the case).
@@ -77,6 +79,7 @@ class Case:
     dropout: float = 0.0
     note: str = ""
     tags: tuple[str, ...] = field(default=())
+    kwargs: tuple = ()
 
     @property
     def layer_spec(self) -> LayerSpec:
@@ -351,6 +354,59 @@ CASES: tuple[Case, ...] = (
         tags=("large",),
         note="GPT-2 small: 12 stacked heads of 64",
     ),
+    # ---- the book's modern attention (chapter 4 bonus; keyword arguments as both take them) ----
+    Case(
+        "gqa_6heads_2groups",
+        "GroupedQueryAttention",
+        (12, 18, 0.0, 6, 2),
+        ((2, 9, 12),),
+        dropout=0.25,
+        note="6 query heads over 2 key groups, d_in != d_out, no out_proj bias (the book's)",
+    ),
+    Case(
+        "gqa_multi_query_bias",
+        "GroupedQueryAttention",
+        (16, 16, 0.0, 4, 1),
+        ((1, 7, 16),),
+        dropout=0.25,
+        kwargs=(("qkv_bias", True),),
+        note="one key head for all 4 (multi-query), qkv_bias on",
+    ),
+    Case(
+        "mla_default_latent",
+        "MultiHeadLatentAttention",
+        (12, 16, 0.0, 4),
+        ((2, 9, 12),),
+        dropout=0.25,
+        note="the book's default latent, max(16, d_out // 8) = 16",
+    ),
+    Case(
+        "mla_latent6_bias",
+        "MultiHeadLatentAttention",
+        (16, 24, 0.0, 3),
+        ((2, 8, 16),),
+        dropout=0.25,
+        kwargs=(("qkv_bias", True), ("latent_dim", 6)),
+        note="a latent narrower than a head's features, biases on",
+    ),
+    Case(
+        "swa_window3",
+        "MultiHeadAttentionWithSWA",
+        (12, 16, 0.0, 4),
+        ((2, 11, 12),),
+        dropout=0.25,
+        kwargs=(("sliding_window_size", 3),),
+        note="a window of 3 over 11 tokens",
+    ),
+    Case(
+        "swa_no_window_bias",
+        "MultiHeadAttentionWithSWA",
+        (16, 16, 0.0, 2),
+        ((1, 6, 16),),
+        dropout=0.25,
+        kwargs=(("qkv_bias", True), ("sliding_window_size", None)),
+        note="no window: chapter 3's layer, qkv_bias on",
+    ),
     Case(
         "gpt2_mha",
         "MultiHeadAttention",
@@ -378,7 +434,8 @@ CASES: tuple[Case, ...] = (
 #: their gradients into full-size steps, so ``train`` checks them by their (nil) effect and their
 #: gradients, not by their values (see the README). ``linears.1.bias``: the key projection of
 #: the Annotated Transformer's whole model (``annotated_model.py``, the post's attribute names).
-SHIFT_INVARIANT_SUFFIXES = ("W_key.bias", "proj_weights.1.bias", "linears.1.bias")
+#: ``W_UK.bias``: latent attention's key up-projection, whose bias is the keys' shared shift too.
+SHIFT_INVARIANT_SUFFIXES = ("W_key.bias", "proj_weights.1.bias", "linears.1.bias", "W_UK.bias")
 
 
 def is_shift_invariant(torch_name: str) -> bool:

@@ -49,6 +49,7 @@ SMALL = {
     "context_length": 5,
     "dropout": 0.0,
     "qkv_bias": True,
+    "num_kv_groups": 1,  # the grouped-query layer's: one key head for the 2 (multi-query)
 }
 
 

@@ -39,9 +39,9 @@ def _run_everything(layer: str) -> dict[str, np.ndarray]:
     inputs = harness.make_inputs(case)
     out: dict[str, np.ndarray] = {}
     torch.manual_seed(0)
-    tm = getattr(tr, layer)(*case.args)
+    tm = getattr(tr, layer)(*case.args, **dict(case.kwargs))
     out.update({f"torch init {k}": v.numpy().copy() for k, v in tm.state_dict().items()})
-    fm = getattr(fa, layer)(*case.args, rngs=nnx.Rngs(params=0, dropout=1))
+    fm = getattr(fa, layer)(*case.args, **dict(case.kwargs), rngs=nnx.Rngs(params=0, dropout=1))
     out.update({f"flax init {k}": v for k, v in fa.state_dict(fm).items()})
     t_inputs = [torch.from_numpy(x) for x in inputs]
     f_inputs = [jnp.asarray(x) for x in inputs]

@@ -40,7 +40,7 @@ GROUPS = [
 GROUP_IDS = [layer if mask is None else f"{layer}-{mask}" for layer, mask in GROUPS]
 
 #: A third as many gradient examples as forward ones, rounded up (a gradient costs about 1.5
-#: forward examples): 9 groups x (17 + 6) = 207 examples in the ``ci`` profile.
+#: forward examples): 12 groups x (17 + 6) = 276 examples in the ``ci`` profile.
 GRAD_EXAMPLES = -(-settings().max_examples // 3)
 
 
@@ -73,6 +73,7 @@ def cases(draw, layer, mask, dtypes=("float32", "bfloat16", "float16")) -> tuple
         "context_length": context_length,
         "dropout": 0.0,
         "qkv_bias": qkv_bias,
+        "num_kv_groups": draw(st.sampled_from([g for g in (1, 2, 4) if num_heads % g == 0])),
     }
     args = layer_spec.args_for(sizes)
     kv_tokens = num_tokens
@@ -112,7 +113,7 @@ def _events(case, dtype, mask):
     layer = case.layer_spec
     if layer.takes_mask:
         event(f"mask {case.mask} {None if mask is None else (mask.shape, mask.dtype.name)}")
-    if layer.causal:
+    if layer.causal and "context_length" in layer.params:
         t, context_length = case.inputs[0][-2], case.args[layer.params.index("context_length")]
         event(
             "num_tokens "

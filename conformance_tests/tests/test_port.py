@@ -28,8 +28,8 @@ CASES = {name: small_case(name) for name in LAYERS}
 def _pair(name, seed=0):
     case = CASES[name]
     torch.manual_seed(seed)
-    tm = getattr(tr, name)(*case.args).eval()
-    fm = getattr(fa, name)(*case.args, rngs=nnx.Rngs(seed))
+    tm = getattr(tr, name)(*case.args, **dict(case.kwargs)).eval()
+    fm = getattr(fa, name)(*case.args, **dict(case.kwargs), rngs=nnx.Rngs(seed))
     fm.eval()
     x = np.random.default_rng(seed).standard_normal(case.inputs[0]).astype(np.float32)
     return tm, fm, x
@@ -52,7 +52,7 @@ def test_torch_file_flax_file_torch_is_bit_identical(name, tmp_path):
     assert set(back) == set(original)
     for key, value in original.items():
         assert torch.equal(back[key], value), f"{key} changed in the round trip"
-    fresh = getattr(tr, name)(*CASES[name].args)
+    fresh = getattr(tr, name)(*CASES[name].args, **dict(CASES[name].kwargs))
     fresh.load_state_dict(back, strict=True)
     fresh.load_state_dict({k: torch.from_numpy(v) for k, v in fa.state_dict(fm).items()})
     linear_weights = [k for k in original if k.endswith(".weight")]  # v1 holds bare matrices
