@@ -89,6 +89,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Literal, NamedTuple
 
 import numpy as np
+from flax import nnx
 
 from flax_attention.annotated import MultiHeadedAttention
 from flax_attention.causal import CausalAttention, MultiHeadAttentionWrapper, documents_mask
@@ -452,6 +453,20 @@ def _multiheaded_args(module, state) -> tuple:  # MultiHeadedAttention(num_heads
     return module.num_heads, state["proj_weights.0.weight"].shape[1], module.dropout.p
 
 
+def _grouped_refusal(module, layout) -> str:
+    """The peers' layouts hold one key head per query head (torch's ``nn.MultiheadAttention``,
+    GPT-2's ``c_attn``, the fused ``qkv``): a ``MultiHeadAttention`` with grouped key heads in
+    ``module`` has no file in them."""
+    for _, node in nnx.iter_graph(module):
+        if isinstance(node, MultiHeadAttention) and node.num_kv_heads != node.num_heads:
+            return (
+                f"layout ({layout.name!r}) must be 'documents' for a MultiHeadAttention with "
+                f"grouped key heads (num_kv_heads {node.num_kv_heads} of num_heads "
+                f"{node.num_heads}): {layout.name} holds one key head per query head"
+            )
+    return ""
+
+
 register(SelfAttention_v1, Names(from_torch_args=_v1_args))
 register(SelfAttention_v2, Names(from_torch_args=_v2_args))
 register(CausalAttention, Names(buffers=_MASK, from_torch_args=_causal_args))
@@ -464,6 +479,7 @@ register(
         roles={"q": "W_query", "k": "W_key", "v": "W_value", "o": "out_proj"},
         buffers=_MASK,
         from_torch_args=_multihead_args,
+        layout_refusal=_grouped_refusal,
     ),
 )
 register(

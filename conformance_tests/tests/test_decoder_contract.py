@@ -287,6 +287,8 @@ def test_grouped_rotary_layer_decodes_as_its_full_pass():
         fa.MultiHeadAttention(16, 16, 12, 0.0, 4, window=0, rngs=nnx.Rngs(0))
     with pytest.raises(TypeError, match=r"rotary \(1\) must be None or a function"):
         fa.MultiHeadAttention(16, 16, 12, 0.0, 4, rotary=1, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"^layout \('torch_nn'\) must be 'documents' for a Mu"):
+        fa.state_dict(layer, layout="torch_nn")  # nn.MultiheadAttention has a key head a head
     plain = fa.MultiHeadAttention(16, 16, 12, 0.0, 4, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match=r"positions \(given\) needs a layer with rotary"):
         plain(x, positions=jnp.arange(10))
