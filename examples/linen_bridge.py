@@ -33,6 +33,9 @@ LAYERS = {
     "MultiHeadAttentionWrapper": (fa.MultiHeadAttentionWrapper, (8, 4, 6, 0.0, 2), (x,)),
     "MultiHeadAttention": (fa.MultiHeadAttention, (8, 8, 6, 0.0, 2), (x,)),
     "MultiHeadedAttention": (fa.MultiHeadedAttention, (2, 8, 0.0), (x, memory, memory)),
+    "GroupedQueryAttention": (fa.GroupedQueryAttention, (8, 8, 0.0, 2, 1), (x,)),
+    "MultiHeadLatentAttention": (fa.MultiHeadLatentAttention, (8, 8, 0.0, 2), (x,)),
+    "MultiHeadAttentionWithSWA": (fa.MultiHeadAttentionWithSWA, (8, 8, 0.0, 2), (x,)),
 }
 
 

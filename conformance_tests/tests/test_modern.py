@@ -239,9 +239,12 @@ def test_the_books_gpt_variant_keys_are_checked_by_name():
     for keys, message in bad:
         with pytest.raises(ValueError, match=message):
             models.GPTModel({**GPT_CFG, **keys}, rngs=nnx.Rngs(0))
-    model = models.GPTModel({**GPT_CFG, "n_kv_groups": 2}, rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match=r"layout \('gpt2'\) must be 'documents' for the book's"):
+    model = models.GPTModel({**GPT_CFG, "latent_dim": 8}, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"must be 'documents' for the book's latent_dim variant"):
         fa.state_dict(model, layout="gpt2")
+    model = models.GPTModel({**GPT_CFG, "n_kv_groups": 2}, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"layout \('gpt2'\) must be 'documents' for a MultiHead"):
+        fa.state_dict(model, layout="gpt2")  # its grouped heads, which the layout cannot hold
 
 
 def _book_kv_bytes(batch, tokens, head_dim, kv_heads, layers, nbytes):
