@@ -1,0 +1,207 @@
+"""The book's modern attention, timed: grouped-query attention against torch's SDPA with
+``enable_gqa=True``, and a sliding-window prefill against full causal attention.
+
+``python -m benchmarks.modern [--repeats N] [--quick]`` prints median ms and the ratios, each
+ratio's callables timed round-robin in one run (``benchmarks.timing.interleaved``):
+
+- ``gqa``: ``fa.GroupedQueryAttention`` at GPT-2 small's width (768 features, 12 query heads over
+  4 key heads), forward and forward+backward (the gradient of every parameter and of ``x``),
+  jitted, against a torch module with the same weights whose core is
+  ``scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)`` (its keys and
+  values as the book's layer projects them, not repeated); goal: at most 0.9x its time.
+- ``swa``: ``fa.MultiHeadAttentionWithSWA`` with a window of 1024 over an 8192-token prefill
+  against the same layer without a window (full causal attention, same weights), and the
+  attention core alone (``dot_product_attention`` with and without ``window``, 12 heads of 64);
+  goal: at most 0.25x its time (the window's kernels skip the tiles outside it, so the core's
+  time grows with ``t * W``, not ``t^2``; the layer's four projections cost the same either
+  way, which bounds the whole layer's ratio well above the core's).
+
+Outputs are compared before anything is timed; the rows record the largest difference.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+from flax import nnx
+
+import flax_attention as fa
+import torch_reference as tr
+from benchmarks.machine import describe as describe_machine
+from benchmarks.timing import median_ms
+
+__all__ = ["main", "run_gqa", "run_swa"]
+
+
+class _TorchSDPAGroupedQuery(torch.nn.Module):
+    """The book's ``GroupedQueryAttention`` (its weights) with torch's fused SDPA as the core."""
+
+    def __init__(self, book: tr.GroupedQueryAttention):
+        super().__init__()
+        self.book = book
+
+    def forward(self, x):
+        book, (b, t, _) = self.book, x.shape
+        q = book.W_query(x).view(b, t, book.num_heads, book.head_dim).transpose(1, 2)
+        k = book.W_key(x).view(b, t, book.num_kv_groups, book.head_dim).transpose(1, 2)
+        v = book.W_value(x).view(b, t, book.num_kv_groups, book.head_dim).transpose(1, 2)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=True
+        )
+        return book.out_proj(out.transpose(1, 2).reshape(b, t, book.d_out))
+
+
+def _flax_calls(layer, x):
+    """Jitted forward and forward+backward of ``layer`` on ``x`` (over ``nnx.split``)."""
+    graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+
+    @jax.jit
+    def forward(params, x):
+        return nnx.merge(graphdef, params, rest)(x)
+
+    @jax.jit
+    def forward_backward(params, x):
+        def loss(params, x):
+            return nnx.merge(graphdef, params, rest)(x).sum()
+
+        return jax.grad(loss, argnums=(0, 1))(params, x)
+
+    return (lambda: forward(params, x)), (lambda: forward_backward(params, x))
+
+
+def _torch_calls(module, x):
+    x_grad = x.clone().requires_grad_(True)
+
+    def forward():
+        with torch.no_grad():
+            return module(x)
+
+    def forward_backward():
+        module.zero_grad(set_to_none=True)
+        x_grad.grad = None
+        module(x_grad).sum().backward()
+        return x_grad.grad
+
+    return forward, forward_backward
+
+
+def run_gqa(batch, tokens, repeats, d=768, heads=12, groups=4) -> list[dict]:
+    """Forward and forward+backward rows: Flax (default implementation) over torch SDPA."""
+    torch.manual_seed(0)
+    book = tr.GroupedQueryAttention(d, d, 0.0, heads, groups).eval()
+    layer = fa.GroupedQueryAttention(d, d, 0.0, heads, groups, rngs=nnx.Rngs(0))
+    fa.load_state_dict(layer, {k: v.numpy() for k, v in book.state_dict().items()})
+    layer.eval()
+    x = np.random.default_rng(0).standard_normal((batch, tokens, d)).astype(np.float32)
+    flax_fwd, flax_both = _flax_calls(layer, jnp.asarray(x))
+    torch_fwd, torch_both = _torch_calls(_TorchSDPAGroupedQuery(book), torch.tensor(x))
+    diff = float(np.abs(np.asarray(flax_fwd()) - torch_fwd().numpy()).max())
+    rows = []
+    for name, flax_call, torch_call in (
+        ("forward", flax_fwd, torch_fwd),
+        ("forward+backward", flax_both, torch_both),
+    ):
+        flax_call(), torch_call()  # warm: compiled, allocated
+        ms = median_ms({"flax": flax_call, "torch sdpa": torch_call}, repeats)
+        rows.append(
+            {
+                "case": f"gqa b{batch} t{tokens} ({heads} heads over {groups})",
+                "pass": name,
+                "flax_ms": ms["flax"],
+                "baseline_ms": ms["torch sdpa"],
+                "ratio": ms["flax"] / ms["torch sdpa"],
+                "goal": 0.9,
+                "max_diff": diff,
+            }
+        )
+    return rows
+
+
+def run_swa(tokens, window, repeats, d=768, heads=12) -> list[dict]:
+    """A prefill of ``tokens`` through a window of ``window`` over the same full causal layer."""
+    windowed = fa.MultiHeadAttentionWithSWA(
+        d, d, 0.0, heads, sliding_window_size=window, rngs=nnx.Rngs(0)
+    )
+    full = fa.MultiHeadAttentionWithSWA(d, d, 0.0, heads, rngs=nnx.Rngs(0))  # same weights
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((1, tokens, d)), jnp.float32)
+    win_fwd, _ = _flax_calls(windowed, x)
+    full_fwd, _ = _flax_calls(full, x)
+    head = slice(0, window)  # the first W tokens see the same keys either way
+    diff = float(np.abs(np.asarray(win_fwd())[:, head] - np.asarray(full_fwd())[:, head]).max())
+    win_fwd(), full_fwd()
+    ms = median_ms({"window": win_fwd, "full": full_fwd}, repeats)
+    return [
+        {
+            "case": f"swa prefill t{tokens} W{window}",
+            "pass": "forward",
+            "flax_ms": ms["window"],
+            "baseline_ms": ms["full"],
+            "ratio": ms["window"] / ms["full"],
+            "goal": 0.25,
+            "max_diff": diff,
+        }
+    ]
+
+
+def run_swa_core(tokens, window, repeats, heads=12, head_dim=64) -> list[dict]:
+    """The attention core alone (``attend``, the default implementation): the window's causal
+    attention over full causal attention, the projections left out (they cost the same)."""
+    rng = np.random.default_rng(2)
+    q, k, v = (
+        jnp.asarray(rng.standard_normal((1, tokens, heads, head_dim)), jnp.float32) for _ in "qkv"
+    )
+
+    def core(window):
+        @jax.jit
+        def run(q, k, v):
+            return fa.dot_product_attention(
+                q, k, v, is_causal=True, window=window, implementation=None, need_weights=False
+            )[0]
+
+        return lambda: run(q, k, v)
+
+    win, full = core(window), core(None)
+    diff = float(np.abs(np.asarray(win())[:, :window] - np.asarray(full())[:, :window]).max())
+    ms = median_ms({"window": win, "full": full}, repeats)
+    return [
+        {
+            "case": f"swa core t{tokens} W{window}",
+            "pass": "forward",
+            "flax_ms": ms["window"],
+            "baseline_ms": ms["full"],
+            "ratio": ms["window"] / ms["full"],
+            "goal": 0.25,
+            "max_diff": diff,
+        }
+    ]
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.modern", description=__doc__)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="tiny shapes, 2 repeats (smoke)")
+    args = parser.parse_args(argv)
+    repeats = 2 if args.quick else args.repeats
+    if args.quick:
+        rows = run_gqa(1, 64, repeats, d=48, heads=6, groups=2)
+        rows += run_swa(256, 32, repeats, d=48, heads=6) + run_swa_core(256, 32, repeats, 6, 8)
+    else:
+        rows = run_gqa(8, 1024, repeats) + run_gqa(1, 4096, repeats)
+        rows += run_swa(8192, 1024, repeats) + run_swa_core(8192, 1024, repeats)
+    print(describe_machine(torch.get_num_threads()))
+    header = ("case", "pass", "flax ms", "base ms", "ratio", "goal", "max diff")
+    print("{:38} {:17} {:>9} {:>9} {:>6} {:>5} {:>9}".format(*header))
+    for r in rows:
+        met = "met" if r["ratio"] <= r["goal"] else "NOT met"
+        print(
+            f"{r['case']:38} {r['pass']:17} {r['flax_ms']:9.1f} {r['baseline_ms']:9.1f} "
+            f"{r['ratio']:6.2f} {r['goal']:5.2f} {r['max_diff']:9.1e} {met}"
+        )
+
+
+if __name__ == "__main__":
+    main()
