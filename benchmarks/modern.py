@@ -16,6 +16,11 @@ ratio's callables timed round-robin in one run (``benchmarks.timing.interleaved`
   time grows with ``t * W``, not ``t^2``; the layer's four projections cost the same either
   way, which bounds the whole layer's ratio well above the core's).
 
+- ``decode``: tokens per second of ``flax_attention.models.generate`` on each of the book's GPT
+  variants (GPT-2 small with grouped heads, a latent, or 5:1 windows) against the book's
+  ``generate_text_simple_cached`` on its torch model (``conformance_tests/book_modern.py``),
+  same weights; the tokens must be equal (``max diff`` 0, else inf).
+
 Outputs are compared before anything is timed; the rows record the largest difference.
 """
 
@@ -180,6 +185,55 @@ def run_swa_core(tokens, window, repeats, heads=12, head_dim=64) -> list[dict]:
     ]
 
 
+#: GPT-2 small's config, for the decode rows (each variant's keys added).
+GPT2_SMALL = {"vocab_size": 50257, "context_length": 1024, "emb_dim": 768, "n_heads": 12,
+              "n_layers": 12, "drop_rate": 0.0, "qkv_bias": False}  # fmt: skip
+VARIANTS = {
+    "gqa (4 key heads)": {"n_kv_groups": 4},
+    "mla (latent 96)": {"latent_dim": 96},
+    "swa (W 128, 5:1)": {"sliding_window_size": 128, "sliding_window_stride": 5},
+}
+
+
+def run_decode(new_tokens, repeats, cfg=None, prompt_tokens=16) -> list[dict]:
+    """Tokens per second of ``models.generate`` (greedy, b1, through the decode caches) on each
+    of the book's GPT variants against the book's ``generate_text_simple_cached`` on its torch
+    model with the same weights; the tokens must be equal."""
+    from conformance_tests import book_modern
+    from flax_attention import models
+
+    rows = []
+    for name, keys in VARIANTS.items():
+        config = {**(cfg or GPT2_SMALL), **keys}
+        torch.manual_seed(0)
+        twin = book_modern.GPTModel(config).eval()
+        model = models.GPTModel(config, rngs=nnx.Rngs(0))
+        fa.load_state_dict(model, {k: v.numpy() for k, v in twin.state_dict().items()})
+        ids = np.random.default_rng(3).integers(0, config["vocab_size"], (1, prompt_tokens))
+        context = config["context_length"]
+
+        def flax_call(model=model, ids=ids, context=context):
+            return models.generate(model, ids, new_tokens, context)
+
+        def torch_call(twin=twin, ids=ids):
+            return book_modern.generate_text_simple_cached(twin, torch.tensor(ids), new_tokens)
+
+        same = np.array_equal(np.asarray(flax_call()), torch_call().numpy())
+        ms = median_ms({"flax": flax_call, "torch": torch_call}, repeats)
+        rows.append(
+            {
+                "case": f"decode {name} b1, {new_tokens} tokens",
+                "pass": "generate",
+                "flax_ms": ms["flax"],
+                "baseline_ms": ms["torch"],
+                "ratio": ms["flax"] / ms["torch"],
+                "goal": 1.0,
+                "max_diff": 0.0 if same else float("inf"),
+            }
+        )
+    return rows
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.modern", description=__doc__)
     parser.add_argument("--repeats", type=int, default=5)
@@ -189,9 +243,12 @@ def main(argv=None) -> None:
     if args.quick:
         rows = run_gqa(1, 64, repeats, d=48, heads=6, groups=2)
         rows += run_swa(256, 32, repeats, d=48, heads=6) + run_swa_core(256, 32, repeats, 6, 8)
+        tiny = {**GPT2_SMALL, "vocab_size": 97, "context_length": 64, "emb_dim": 48, "n_heads": 4}
+        rows += run_decode(8, repeats, {**tiny, "n_layers": 2})
     else:
         rows = run_gqa(8, 1024, repeats) + run_gqa(1, 4096, repeats)
         rows += run_swa(8192, 1024, repeats) + run_swa_core(8192, 1024, repeats)
+        rows += run_decode(64, repeats)
     print(describe_machine(torch.get_num_threads()))
     header = ("case", "pass", "flax ms", "base ms", "ratio", "goal", "max diff")
     print("{:38} {:17} {:>9} {:>9} {:>6} {:>5} {:>9}".format(*header))
