@@ -22,6 +22,8 @@ ratio's callables timed round-robin in one run (``benchmarks.timing.interleaved`
   same weights; the tokens must be equal (``max diff`` 0, else inf).
 
 Outputs are compared before anything is timed; the rows record the largest difference.
+``--peak-memory`` measures instead the peak RSS of a 32768-token prefill through the window
+layer and through the same layer without a window, each in a fresh process.
 """
 
 from __future__ import annotations
@@ -234,11 +236,60 @@ def run_decode(new_tokens, repeats, cfg=None, prompt_tokens=16) -> list[dict]:
     return rows
 
 
+_PEAK = """
+import resource, sys, time
+import jax, jax.numpy as jnp, numpy as np
+from flax import nnx
+import flax_attention as fa
+tokens, window = int(sys.argv[1]), None if sys.argv[2] == "none" else int(sys.argv[2])
+layer = fa.MultiHeadAttentionWithSWA(
+    768, 768, 0.0, 12, sliding_window_size=window, rngs=nnx.Rngs(0)
+)
+graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+forward = jax.jit(lambda p, x: nnx.merge(graphdef, p, rest)(x))
+x = jnp.asarray(np.random.default_rng(0).standard_normal((1, tokens, 768)), jnp.float32)
+jax.block_until_ready(forward(params, x))
+start = time.perf_counter()
+jax.block_until_ready(forward(params, x))
+print(time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+"""
+
+
+def run_peak_memory(tokens: int = 32768, window: int = 1024) -> list[dict]:
+    """A ``tokens``-token prefill through ``MultiHeadAttentionWithSWA`` (768 features, 12 heads)
+    with and without the window, each in a fresh process: its peak RSS (the process's whole,
+    inputs and compile included) and the second call's time. The materialised scores alone
+    would be ``12 * tokens^2 * 4`` bytes."""
+    import subprocess
+    import sys
+
+    rows = []
+    for w in (window, None):
+        done = subprocess.run(
+            [sys.executable, "-c", _PEAK, str(tokens), str(w).lower()],
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        seconds, peak = done.stdout.split()
+        rows.append({"window": w, "seconds": float(seconds), "peak_bytes": int(peak)})
+    return rows
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.modern", description=__doc__)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="tiny shapes, 2 repeats (smoke)")
+    parser.add_argument(
+        "--peak-memory", action="store_true", help="only the 32k-token window prefill's peak RSS"
+    )
     args = parser.parse_args(argv)
+    if args.peak_memory:
+        scores = 12 * 32768**2 * 4 / 1e9
+        for row in run_peak_memory():
+            print(
+                f"window {row['window']}: peak RSS {row['peak_bytes'] / 1e6:.0f} MB, "
+                f"second call {row['seconds']:.2f} s (the scores alone: {scores:.1f} GB)"
+            )
+        return
     repeats = 2 if args.quick else args.repeats
     if args.quick:
         rows = run_gqa(1, 64, repeats, d=48, heads=6, groups=2)
