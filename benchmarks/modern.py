@@ -62,6 +62,20 @@ class _TorchSDPAGroupedQuery(torch.nn.Module):
         return book.out_proj(out.transpose(1, 2).reshape(b, t, book.d_out))
 
 
+def _row(case, pass_, flax_ms, baseline_ms, goal, max_diff) -> dict:
+    """One table row: the two medians, their ratio, the goal it is held to, the outputs'
+    largest difference."""
+    return {
+        "case": case,
+        "pass": pass_,
+        "flax_ms": flax_ms,
+        "baseline_ms": baseline_ms,
+        "ratio": flax_ms / baseline_ms,
+        "goal": goal,
+        "max_diff": max_diff,
+    }
+
+
 def _flax_calls(layer, x):
     """Jitted forward and forward+backward of ``layer`` on ``x`` (over ``nnx.split``)."""
     graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
@@ -115,15 +129,14 @@ def run_gqa(batch, tokens, repeats, d=768, heads=12, groups=4) -> list[dict]:
         flax_call(), torch_call()  # warm: compiled, allocated
         ms = median_ms({"flax": flax_call, "torch sdpa": torch_call}, repeats)
         rows.append(
-            {
-                "case": f"gqa b{batch} t{tokens} ({heads} heads over {groups})",
-                "pass": name,
-                "flax_ms": ms["flax"],
-                "baseline_ms": ms["torch sdpa"],
-                "ratio": ms["flax"] / ms["torch sdpa"],
-                "goal": 0.9,
-                "max_diff": diff,
-            }
+            _row(
+                f"gqa b{batch} t{tokens} ({heads} heads over {groups})",
+                name,
+                ms["flax"],
+                ms["torch sdpa"],
+                0.9,
+                diff,
+            )
         )
     return rows
 
@@ -142,15 +155,7 @@ def run_swa(tokens, window, repeats, d=768, heads=12) -> list[dict]:
     win_fwd(), full_fwd()
     ms = median_ms({"window": win_fwd, "full": full_fwd}, repeats)
     return [
-        {
-            "case": f"swa prefill t{tokens} W{window}",
-            "pass": "forward",
-            "flax_ms": ms["window"],
-            "baseline_ms": ms["full"],
-            "ratio": ms["window"] / ms["full"],
-            "goal": 0.25,
-            "max_diff": diff,
-        }
+        _row(f"swa prefill t{tokens} W{window}", "forward", ms["window"], ms["full"], 0.25, diff)
     ]
 
 
@@ -174,17 +179,7 @@ def run_swa_core(tokens, window, repeats, heads=12, head_dim=64) -> list[dict]:
     win, full = core(window), core(None)
     diff = float(np.abs(np.asarray(win())[:, :window] - np.asarray(full())[:, :window]).max())
     ms = median_ms({"window": win, "full": full}, repeats)
-    return [
-        {
-            "case": f"swa core t{tokens} W{window}",
-            "pass": "forward",
-            "flax_ms": ms["window"],
-            "baseline_ms": ms["full"],
-            "ratio": ms["window"] / ms["full"],
-            "goal": 0.25,
-            "max_diff": diff,
-        }
-    ]
+    return [_row(f"swa core t{tokens} W{window}", "forward", ms["window"], ms["full"], 0.25, diff)]
 
 
 #: GPT-2 small's config, for the decode rows (each variant's keys added).
@@ -223,15 +218,14 @@ def run_decode(new_tokens, repeats, cfg=None, prompt_tokens=16) -> list[dict]:
         same = np.array_equal(np.asarray(flax_call()), torch_call().numpy())
         ms = median_ms({"flax": flax_call, "torch": torch_call}, repeats)
         rows.append(
-            {
-                "case": f"decode {name} b1, {new_tokens} tokens",
-                "pass": "generate",
-                "flax_ms": ms["flax"],
-                "baseline_ms": ms["torch"],
-                "ratio": ms["flax"] / ms["torch"],
-                "goal": 1.0,
-                "max_diff": 0.0 if same else float("inf"),
-            }
+            _row(
+                f"decode {name} b1, {new_tokens} tokens",
+                "generate",
+                ms["flax"],
+                ms["torch"],
+                1.0,
+                0.0 if same else float("inf"),
+            )
         )
     return rows
 

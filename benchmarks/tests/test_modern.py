@@ -16,4 +16,3 @@ def test_the_modern_rows_time_equal_computations():
     for row in rows:
         assert row["max_diff"] < 1e-5, row  # Flax against torch SDPA; window against full
         assert row["flax_ms"] > 0 and row["baseline_ms"] > 0, row
-        assert row["ratio"] == row["flax_ms"] / row["baseline_ms"], row
