@@ -350,9 +350,12 @@ def _modern_panels(rows):
                label=lambda key: f"the window's {key}")
     )  # fmt: skip
     goal = MODERN_TARGETS["generate / the book's cached loop"]
+    decode = _with(rows, "ratio", mode="generate", framework="flax")
+    shape = decode[0]["case"][decode[0]["case"].rindex("_b") + 1 :] if decode else ""
+    decode = [{**r, "case": r["case"][: r["case"].rindex("_b")]} for r in decode]  # the variant
     panels.append(
-        _panel(_with(rows, "ratio", mode="generate", framework="flax"), "ratio",
-               "generate on the book's GPT variants", "tokens/s / the book's loop's (> 1: faster)",
+        _panel(decode, "ratio", f"generate on the book's GPT variants, {shape}",
+               "tokens/s / the book's loop's (> 1: faster)",
                "the book's generate_text_simple_cached", goal, f"target >= {goal:g}",
                label=lambda key: "Flax generate")
     )  # fmt: skip

@@ -196,3 +196,27 @@ def test_decode_rows_time_equal_tokens_only(monkeypatch):
     rows = modern._decode(config, None)
     note = f"tokens equal to the book's loop: {prompt + new - 1}/{prompt + new}: not timed"
     assert [(r["skipped"], r["note"], r["median_ms"]) for r in rows] == [(True, note, None)] * 2
+
+
+@pytest.mark.quick
+def test_modern_chart_of_hand_made_decode_and_memory_rows():
+    """The panels the quick run leaves out: generate's tokens/s over the book's loop by variant
+    (the shape in the title), the window's peak growth over full causal's; baselines no bars."""
+
+    def row(case, mode, framework, implementation, ratio):
+        return make_row("modern", case, mode, framework, implementation, ratio=ratio)
+
+    rows = [
+        row("gqa_kv4_b1_p16_n64", "generate", "flax", "generate", 2.0),
+        row("gqa_kv4_b1_p16_n64", "generate", "torch", "generate_text_simple_cached", 1.0),
+        row("swa_w128_5to1_b1_p16_n64", "generate", "flax", "generate", 2.1),
+        row("b1_t32768_w1024", "peak memory", "flax", "window", 1.04),
+        row("b1_t32768_w1024", "peak memory", "flax", "full causal", 1.0),
+    ]
+    generate, peak = charts.chart_data(rows, "modern").panels
+    assert generate.title == "generate on the book's GPT variants, b1_p16_n64"
+    assert generate.groups == ("gqa_kv4", "swa_w128_5to1")
+    assert [(s.key, s.values) for s in generate.series] == [("generate", (2.0, 2.1))]
+    assert generate.target == MODERN_TARGETS["generate / the book's cached loop"]
+    assert [(s.key, s.values) for s in peak.series] == [("window", (1.04,))]
+    assert peak.target is None
