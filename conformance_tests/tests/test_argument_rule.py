@@ -92,6 +92,14 @@ class Row:
     package: str = ""
 
 
+QWEN = {"vocab_size": 11, "context_length": 8, "emb_dim": 8, "n_heads": 2, "n_layers": 1,
+        "hidden_dim": 8, "head_dim": 4, "qk_norm": True, "n_kv_groups": 1, "rope_base": 1e4,
+        "dtype": jnp.float32}  # fmt: skip
+LLAMA = {"vocab_size": 11, "context_length": 8, "emb_dim": 8, "n_heads": 2, "n_layers": 1,
+         "hidden_dim": 8, "n_kv_groups": 1, "rope_base": 1e4, "rope_freq": None,
+         "dtype": jnp.float32}  # fmt: skip
+
+
 def _layer(cls, **args):
     return lambda: {**args, "rngs": _rngs()}
 
@@ -315,6 +323,15 @@ _ROWS = [
     Row("FeedForward", fam.FeedForward, _layer(0, cfg=CFG), "cfg", [1], {**CFG, "emb_dim": 0}),
     Row("GPTModel", fam.GPTModel, _layer(0, cfg=CFG), "cfg", "gpt2", {**CFG, "n_heads": 3}),
     Row("LayerNorm", fam.LayerNorm, lambda: {"emb_dim": 8}, "emb_dim", 8.0, 0),
+    Row(
+        "Llama3Model",
+        fam.Llama3Model,
+        _layer(0, cfg=LLAMA),
+        "cfg",
+        "llama",
+        {**LLAMA, "n_heads": 3},
+    ),
+    Row("Qwen3Model", fam.Qwen3Model, _layer(0, cfg=QWEN), "cfg", [1], {**QWEN, "n_kv_groups": 3}),
     Row(
         "TransformerBlock",
         fam.TransformerBlock,
@@ -588,6 +605,8 @@ EXEMPT = {
     ("flax_attention.models", "classify"): "a module (chapter 6)",
     ("flax_attention.models", "instruct"): "a module (chapter 7)",
     ("flax_attention.models", "lora"): "a module (appendix E)",
+    ("flax_attention.models", "llama3"): "a module (the book's package's Llama 3)",
+    ("flax_attention.models", "qwen3"): "a module (the book's package's Qwen3)",
 }
 
 PACKAGES = {

@@ -105,6 +105,9 @@ def test_the_reference_report_and_tests_need_only_their_extras():
     dev = report | _extra("dev")
     tests = _files("conformance_tests", tests=True) + _files("benchmarks", tests=True)
     imported = _imports(tests + _files("examples"))
+    # the book's package: installed with --no-deps (its pins pull tensorflow), by .ci/run
+    assert "pip install --quiet --no-deps llms-from-scratch" in (ROOT / ".ci" / "run").read_text()
+    imported.pop("llms_from_scratch")
     assert set(imported) <= dev, f"undeclared for the tests: {set(imported) - dev}"
     assert {"pytest", "pytest-xdist", "hypothesis", "ruff", "transformers", "tokenizers"} <= dev
 

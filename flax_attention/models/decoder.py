@@ -296,8 +296,11 @@ def check_common(cfg) -> None:
         raise ValueError(f"cfg['rms_norm_eps'] ({eps!r}) must be a number > 0")
     try:
         check_model_dtypes(None, cfg["dtype"])
-    except TypeError as error:
-        raise TypeError(f"cfg['dtype']: {error}") from None
+    except TypeError:
+        raise TypeError(
+            f"cfg['dtype'] ({cfg['dtype']!r}) must be a floating dtype (jnp.bfloat16, "
+            "jnp.float32, ...: the parameters' dtype)"
+        ) from None
     check_bool("cfg['tie_word_embeddings']", cfg["tie_word_embeddings"])
 
 
@@ -311,8 +314,10 @@ class RotaryDecoder(DecoderModel):
     (``None``: the parameters'). ``cfg["tie_word_embeddings"]`` (optional, default ``False``)
     leaves ``out_head`` ``None``: the head reads ``tok_emb``'s matrix, as tied checkpoints."""
 
-    #: Hugging Face ``model_type``s whose directories ``from_pretrained`` reads.
+    #: Hugging Face ``model_type``s whose directories ``from_pretrained`` reads, and the
+    #: weight bridge's layout of their names.
     HF_MODEL_TYPES: tuple[str, ...] = ()
+    HF_LAYOUT = "llama"
 
     def __init__(
         self,
@@ -406,6 +411,51 @@ class RotaryDecoder(DecoderModel):
 
     def hf_config(self) -> dict:  # pragma: no cover - each model defines it
         raise NotImplementedError
+
+
+def read_hf_config(hf: Mapping, model: str, fixed: Mapping) -> dict:
+    """What Qwen3's and Llama 3's ``config.json`` share, as the book's cfg keys: sizes, grouped
+    heads, the rotary base (``rope_theta``, or transformers 5's ``rope_parameters``), the norms'
+    eps, a tied head, the dtype. ``fixed``: ``{name: (default, allowed values, why)}``, the
+    options the book's model does not have (a ``ValueError`` naming the first one set)."""
+    fixed = {"hidden_act": ("silu", ("silu",), "the book's FeedForward is SwiGLU"),
+             "attention_bias": (False, (False,), "the book's projections have no bias"),
+             **fixed}  # fmt: skip
+    for name, (default, allowed, why) in fixed.items():
+        value = hf.get(name, default)
+        if value not in allowed:
+            raise ValueError(
+                f"config {name} ({value!r}) must be one of {allowed} for {model} ({why})"
+            )
+    rope = hf.get("rope_parameters") or {}
+    dtype = hf.get("dtype", hf.get("torch_dtype")) or "float32"
+    try:
+        dtype = jnp.dtype(dtype)
+    except TypeError:
+        raise ValueError(f"config dtype ({dtype!r}) must be a floating dtype's name") from None
+    heads = hf["num_attention_heads"]
+    return {
+        "vocab_size": hf["vocab_size"],
+        "context_length": hf["max_position_embeddings"],
+        "emb_dim": hf["hidden_size"],
+        "n_heads": heads,
+        "n_layers": hf["num_hidden_layers"],
+        "n_kv_groups": hf.get("num_key_value_heads") or heads,
+        "rope_base": float(hf.get("rope_theta", rope.get("rope_theta", 10_000.0))),
+        "dtype": getattr(jnp, dtype.name, dtype.type),  # jnp.bfloat16, as the book's dicts
+        "rms_norm_eps": hf.get("rms_norm_eps", 1e-6),
+        "tie_word_embeddings": hf.get("tie_word_embeddings", False),
+    }
+
+
+def hf_rope_scaling(hf: Mapping) -> dict:
+    """The rotary scaling a ``config.json`` asks for (``rope_scaling``, or transformers 5's
+    ``rope_parameters``), ``{}`` for none; its ``rope_type`` (``type`` in old files) under
+    ``"rope_type"``."""
+    scaling = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
+    kind = scaling.pop("rope_type", scaling.pop("type", "default"))
+    scaling.pop("rope_theta", None)
+    return {} if kind == "default" and not scaling else {"rope_type": kind, **scaling}
 
 
 def hf_names(model: RotaryDecoder, layout: str) -> ModelNames:

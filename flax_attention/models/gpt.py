@@ -401,6 +401,10 @@ class GPTModel(DecoderModel):
     ``from_pretrained``/``save_pretrained`` (``flax_attention.models.checkpoints``).
     """
 
+    #: Hugging Face ``model_type``s ``from_pretrained`` reads, in the weight bridge's layout.
+    HF_MODEL_TYPES = ("gpt2",)
+    HF_LAYOUT = "gpt2"
+
     def __init__(
         self,
         cfg,
@@ -497,6 +501,10 @@ class GPTModel(DecoderModel):
         """Write a checkpoint directory ``transformers.GPT2LMHeadModel.from_pretrained`` loads
         (``flax_attention.models.checkpoints.save_pretrained``)."""
         checkpoints.save_pretrained(self, path)
+
+    def hf_config(self) -> dict:
+        """The ``config.json`` ``save_pretrained`` writes (``checkpoints.config_to_hf``)."""
+        return checkpoints.config_to_hf(self.cfg)
 
 
 def describe_head(out_head) -> str:

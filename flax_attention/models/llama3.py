@@ -24,6 +24,7 @@ from flax import nnx
 
 from flax_attention._checks import check_positive_int
 from flax_attention._layers import LayerOptions
+from flax_attention.models import checkpoints
 from flax_attention.models.decoder import (
     ROPE_FREQ_KEYS,
     FeedForward,
@@ -32,6 +33,8 @@ from flax_attention.models.decoder import (
     TransformerBlock,
     check_common,
     check_keys,
+    hf_rope_scaling,
+    read_hf_config,
 )
 
 __all__ = ["LLAMA32_CONFIG_1B", "LLAMA32_CONFIG_3B", "Llama3Model"]
@@ -146,3 +149,38 @@ class Llama3Model(RotaryDecoder):
             "tie_word_embeddings": cfg["tie_word_embeddings"],
             "dtype": jnp.dtype(cfg["dtype"]).name,
         }
+
+
+def config_from_hf(hf) -> dict:
+    """A Llama (``model_type`` ``"llama"``) ``config.json`` as the book's cfg: ``rope_freq`` from
+    its ``llama3`` rope scaling (``None`` without one), its ``rms_norm_eps`` and tied head;
+    options the book's model does not have are a ``ValueError`` naming them."""
+    fixed = {"mlp_bias": (False, (False,), "the book's FeedForward has no bias"),
+             "pretraining_tp": (1, (1,), "the book's projections are unsplit")}  # fmt: skip
+    cfg = read_hf_config(hf, "Llama3Model", fixed)
+    head_dim = hf.get("head_dim") or cfg["emb_dim"] // cfg["n_heads"]
+    if head_dim * cfg["n_heads"] != cfg["emb_dim"]:
+        raise ValueError(
+            f"config head_dim ({head_dim}) must be hidden_size / num_attention_heads "
+            f"({cfg['emb_dim']} / {cfg['n_heads']}) for Llama3Model (the book's heads split "
+            "emb_dim)"
+        )
+    scaling = hf_rope_scaling(hf)
+    if scaling and scaling["rope_type"] != "llama3":
+        raise ValueError(
+            f"config rope_scaling type ({scaling['rope_type']!r}) must be 'llama3' or none for "
+            "Llama3Model (the book's frequency scaling)"
+        )
+    rope_freq = None
+    if scaling:
+        rope_freq = {
+            "factor": scaling["factor"],
+            "low_freq_factor": scaling["low_freq_factor"],
+            "high_freq_factor": scaling["high_freq_factor"],
+            "original_context_length": scaling["original_max_position_embeddings"],
+        }
+    cfg.update(hidden_dim=hf["intermediate_size"], rope_freq=rope_freq)
+    return cfg
+
+
+checkpoints.CONFIG_READERS.update(llama=config_from_hf)

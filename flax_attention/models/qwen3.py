@@ -4,8 +4,9 @@
 The model is ``models.decoder``'s pieces as the book's ``qwen3.py`` puts them together:
 ``tok_emb``; ``trf_blocks.{i}`` = ``att`` (``GroupedQueryAttention`` with ``head_dim`` from the
 config, which need not be ``emb_dim / n_heads``: 0.6B has 128 against 1024 / 16, and QK-norm),
-``ff`` (SwiGLU ``fc1``/``fc2``/``fc3``, or ``MoEFeedForward``: ``gate`` and the experts'
-``fc1.{e}``/``fc2.{e}``/``fc3.{e}``), ``norm1``, ``norm2`` (``RMSNorm``, ``scale``);
+``ff`` (SwiGLU ``fc1``/``fc2``/``fc3``; the book's ``MoEFeedForward`` for
+``QWEN3_CONFIG_30B_A3B`` is not built yet: such a config is refused), ``norm1``, ``norm2``
+(``RMSNorm``, ``scale``);
 ``final_norm``; ``out_head``. The book's state dicts load through ``fa.load_state_dict`` as
 they are; Hugging Face ``Qwen3ForCausalLM``/``Qwen3MoeForCausalLM`` directories through
 ``Qwen3Model.from_pretrained``.
@@ -22,6 +23,7 @@ from flax import nnx
 
 from flax_attention._checks import check_bool, check_positive_int
 from flax_attention._layers import LayerOptions
+from flax_attention.models import checkpoints
 from flax_attention.models.decoder import (
     FeedForward,
     RMSNorm,
@@ -29,9 +31,10 @@ from flax_attention.models.decoder import (
     TransformerBlock,
     check_common,
     check_keys,
+    hf_rope_scaling,
+    read_hf_config,
 )
 from flax_attention.models.gpt import Config
-from flax_attention.models.moe import MoEFeedForward
 
 __all__ = [
     "QWEN3_CONFIG_14B",
@@ -92,10 +95,9 @@ class Qwen3Model(RotaryDecoder):
     def check_config(cls, cfg) -> dict:
         moe = isinstance(cfg, dict | Config) and is_moe(cfg)
         required = CONFIG_KEYS + (MOE_KEYS if moe else ("hidden_dim",))
-        optional = dict(OPTIONAL_KEYS)
-        if not moe:
-            optional["num_experts"] = 0  # the book's dense configs may say 0
-        cfg = check_keys(cfg, "Qwen3Model", required, optional)
+        if not moe and isinstance(cfg, dict | Config) and "num_experts" in cfg:
+            required += ("num_experts",)  # a dense config may say 0, as the book's test does
+        cfg = check_keys(cfg, "Qwen3Model", required, OPTIONAL_KEYS)
         for key in ("vocab_size", "context_length", "emb_dim", "n_heads", "n_layers",
                     "n_kv_groups") + (MOE_KEYS if moe else ("hidden_dim",)):  # fmt: skip
             check_positive_int(f"cfg[{key!r}]", cfg[key])
@@ -113,6 +115,11 @@ class Qwen3Model(RotaryDecoder):
                 f"cfg['num_experts'] ({cfg['num_experts']})"
             )
         check_bool("cfg['qk_norm']", cfg["qk_norm"])
+        if moe:
+            raise NotImplementedError(
+                f"cfg['num_experts'] ({cfg['num_experts']}): the book's mixture-of-experts "
+                "feed-forward (MoEFeedForward) is not built yet; dense Qwen3 configs work"
+            )
         return cfg
 
     def norm(self, cfg, options: LayerOptions) -> RMSNorm:
@@ -123,10 +130,7 @@ class Qwen3Model(RotaryDecoder):
             cfg, options, rngs, head_dim=cfg["head_dim"], qk_norm=cfg["qk_norm"],
             norm_eps=cfg["rms_norm_eps"],
         )  # fmt: skip
-        if is_moe(cfg):
-            ff = MoEFeedForward(cfg, options=options, rngs=rngs)
-        else:
-            ff = FeedForward(cfg["emb_dim"], cfg["hidden_dim"], options=options, rngs=rngs)
+        ff = FeedForward(cfg["emb_dim"], cfg["hidden_dim"], options=options, rngs=rngs)
         return TransformerBlock(att, ff, self.norm(cfg, options), self.norm(cfg, options))
 
     def hf_config(self) -> dict:
@@ -163,3 +167,36 @@ class Qwen3Model(RotaryDecoder):
         else:
             out["intermediate_size"] = cfg["hidden_dim"]
         return out
+
+
+def config_from_hf(hf) -> dict:
+    """A Qwen3 (``model_type`` ``"qwen3"``) or Qwen3-MoE (``"qwen3_moe"``) ``config.json`` as
+    the book's cfg, its ``rms_norm_eps`` and tied head included; options the book's model does
+    not have are a ``ValueError`` naming them."""
+    moe = hf.get("model_type") == "qwen3_moe"
+    fixed = {
+        "use_sliding_window": (False, (False,), "the book's Qwen3 attends to every token"),
+        "mlp_only_layers": ([], ([], None), "the book's MoE model has experts in every layer"),
+        "decoder_sparse_step": (1, (1,), "the book's MoE model has experts in every layer"),
+        "norm_topk_prob": (True, (True,), "the book's MoE softmaxes the chosen experts' scores"),
+    }
+    cfg = read_hf_config(hf, "Qwen3Model", fixed)
+    scaling = hf_rope_scaling(hf)
+    if scaling:
+        raise ValueError(
+            f"config rope_scaling ({scaling!r}) must be null for Qwen3Model (the book's rotary "
+            "positions are unscaled)"
+        )
+    cfg.update(head_dim=hf.get("head_dim") or cfg["emb_dim"] // cfg["n_heads"], qk_norm=True)
+    if moe:
+        cfg.update(
+            num_experts=hf["num_experts"],
+            num_experts_per_tok=hf["num_experts_per_tok"],
+            moe_intermediate_size=hf["moe_intermediate_size"],
+        )
+    else:
+        cfg["hidden_dim"] = hf["intermediate_size"]
+    return cfg
+
+
+checkpoints.CONFIG_READERS.update(qwen3=config_from_hf, qwen3_moe=config_from_hf)
