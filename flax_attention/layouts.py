@@ -281,7 +281,10 @@ class Names(NamedTuple):
     a whole model's names, ``model(module, layout) -> ModelNames`` (renamed parameters, its
     attention layers' prefixes, tied aliases); ``None``: the graph's paths. ``dequantized``:
     ``(weight, scale)`` pairs, a weight held quantized and exported as ``weight * scale`` (one
-    scale per output feature), which a load refuses.
+    scale per output feature), which a load refuses. ``stacked``: ``(variable, pattern,
+    transpose)``, a parameter stacked along its first axis that torch holds as one tensor per
+    index, ``pattern.format(i)`` under the module (a mixture of experts' ``fc1`` ``(E, d, h)``
+    as ``fc1.{i}.weight``, each the transpose of a slice when ``transpose``).
 
     ``from_torch_args``: for a class the documents define (``torch_reference`` has a class of
     the same name), its constructor's positional arguments read from such a torch module,
@@ -311,6 +314,7 @@ class Names(NamedTuple):
     from_torch_args: Callable[[Any, Mapping[str, np.ndarray]], tuple] | None = None
     layout_refusal: Callable[[Any, Layout], str] | None = None
     load_hint: Callable[[Any, list, list, Any], str] | None = None
+    stacked: tuple[tuple[str, str, bool], ...] = ()
 
 
 #: class -> its names, in registration order.

@@ -4,9 +4,8 @@
 The model is ``models.decoder``'s pieces as the book's ``qwen3.py`` puts them together:
 ``tok_emb``; ``trf_blocks.{i}`` = ``att`` (``GroupedQueryAttention`` with ``head_dim`` from the
 config, which need not be ``emb_dim / n_heads``: 0.6B has 128 against 1024 / 16, and QK-norm),
-``ff`` (SwiGLU ``fc1``/``fc2``/``fc3``; the book's ``MoEFeedForward`` for
-``QWEN3_CONFIG_30B_A3B`` is not built yet: such a config is refused), ``norm1``, ``norm2``
-(``RMSNorm``, ``scale``);
+``ff`` (SwiGLU ``fc1``/``fc2``/``fc3``, or ``models.moe.MoEFeedForward``: ``gate`` and the
+experts' ``fc1.{e}``/``fc2.{e}``/``fc3.{e}``), ``norm1``, ``norm2`` (``RMSNorm``, ``scale``);
 ``final_norm``; ``out_head``. The book's state dicts load through ``fa.load_state_dict`` as
 they are; Hugging Face ``Qwen3ForCausalLM``/``Qwen3MoeForCausalLM`` directories through
 ``Qwen3Model.from_pretrained``.
@@ -35,6 +34,7 @@ from flax_attention.models.decoder import (
     read_hf_config,
 )
 from flax_attention.models.gpt import Config
+from flax_attention.models.moe import MoEFeedForward
 
 __all__ = [
     "QWEN3_CONFIG_14B",
@@ -115,11 +115,6 @@ class Qwen3Model(RotaryDecoder):
                 f"cfg['num_experts'] ({cfg['num_experts']})"
             )
         check_bool("cfg['qk_norm']", cfg["qk_norm"])
-        if moe:
-            raise NotImplementedError(
-                f"cfg['num_experts'] ({cfg['num_experts']}): the book's mixture-of-experts "
-                "feed-forward (MoEFeedForward) is not built yet; dense Qwen3 configs work"
-            )
         return cfg
 
     def norm(self, cfg, options: LayerOptions) -> RMSNorm:
@@ -130,7 +125,10 @@ class Qwen3Model(RotaryDecoder):
             cfg, options, rngs, head_dim=cfg["head_dim"], qk_norm=cfg["qk_norm"],
             norm_eps=cfg["rms_norm_eps"],
         )  # fmt: skip
-        ff = FeedForward(cfg["emb_dim"], cfg["hidden_dim"], options=options, rngs=rngs)
+        if is_moe(cfg):
+            ff = MoEFeedForward(cfg, options=options, rngs=rngs)
+        else:
+            ff = FeedForward(cfg["emb_dim"], cfg["hidden_dim"], options=options, rngs=rngs)
         return TransformerBlock(att, ff, self.norm(cfg, options), self.norm(cfg, options))
 
     def hf_config(self) -> dict:
@@ -190,7 +188,7 @@ def config_from_hf(hf) -> dict:
     cfg.update(head_dim=hf.get("head_dim") or cfg["emb_dim"] // cfg["n_heads"], qk_norm=True)
     if moe:
         cfg.update(
-            num_experts=hf["num_experts"],
+            num_experts=hf["num_experts"] if "num_experts" in hf else hf["num_local_experts"],
             num_experts_per_tok=hf["num_experts_per_tok"],
             moe_intermediate_size=hf["moe_intermediate_size"],
         )
