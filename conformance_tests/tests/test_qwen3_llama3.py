@@ -22,6 +22,7 @@ import pytest
 import torch
 import transformers
 from flax import nnx
+from llms_from_scratch import appendix_e
 from llms_from_scratch import llama3 as book_llama3
 from llms_from_scratch import qwen3 as book_qwen3
 from llms_from_scratch.kv_cache import generate as book_cached
@@ -29,7 +30,7 @@ from llms_from_scratch.kv_cache import llama3 as book_llama3_cached
 from llms_from_scratch.kv_cache import qwen3 as book_qwen3_cached
 
 import flax_attention as fa
-from flax_attention.models import Llama3Model, Qwen3Model, generate
+from flax_attention.models import Llama3Model, Qwen3Model, generate, lora, quantize
 from flax_attention.models.decoder import rope_frequencies
 from flax_attention.models.llama3 import LLAMA32_CONFIG_1B
 from flax_attention.models.qwen3 import QWEN_CONFIG_06_B
@@ -105,6 +106,53 @@ def test_cached_generation_equals_the_books_cached_loop(name):
     expected = book_cached.generate_text_simple(book, torch.from_numpy(prompt), 20).numpy()
     ours = generate(model, jnp.asarray(prompt), 20, MODELS[name][3]["context_length"])
     np.testing.assert_array_equal(np.asarray(ours), expected)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe", "llama3"])
+def test_int8_bfloat16_and_lora_as_the_books(name):
+    """int8: the book's model holding the dequantized weights gives the quantized model's
+    logits; bfloat16: the error against float32 within 1.5x of the book's own bfloat16 model's;
+    LoRA (appendix E's ``replace_linear_with_lora`` on both, ``B`` drawn; the dense models, as
+    the experts of a mixture are no Linears here): the same logits. The
+    package's appendix E scales the update by ``alpha``, the book's repository since 2025 (and
+    ``models.lora``) by ``alpha / rank``: rank 1 makes the two agree."""
+    model, book, state = _pair(name)
+    flax_class, book_class, cfg = MODELS[name][0], MODELS[name][1], MODELS[name][3]
+    idx = np.random.default_rng(5).integers(0, 97, (2, 16))
+    with torch.no_grad():
+        reference = book(torch.from_numpy(idx)).numpy()
+
+    def book_model(dtype, weights):
+        twin = book_class({**cfg, "dtype": dtype})
+        twin.load_state_dict({k: torch.from_numpy(v).to(dtype) for k, v in weights.items()},
+                             assign=True)  # fmt: skip
+        with torch.no_grad():
+            return twin(torch.from_numpy(idx)).float().numpy()
+
+    quantized = quantize(model)
+    expected = book_model(torch.float32, fa.state_dict(quantized))  # the dequantized weights
+    assert np.abs(np.asarray(quantized(jnp.asarray(idx))) - expected).max() < 2e-6
+    assert np.abs(expected - reference).max() > 1e-3  # int8 moved the logits: a real check
+    half = flax_class({**cfg, "dtype": jnp.bfloat16}, rngs=nnx.Rngs(0))
+    fa.load_state_dict(half, state)
+    ours = np.abs(np.asarray(half(jnp.asarray(idx)), np.float32) - reference).max()
+    books = np.abs(book_model(torch.bfloat16, state) - reference).max()
+    assert 0 < ours <= 1.5 * books, (ours, books)
+    if name == "qwen3_moe":  # its experts are stacked parameters, not Linears: no adapters
+        return
+    lora.replace_linear_with_lora(model, 1, 4.0, rngs=nnx.Rngs(1))
+    appendix_e.replace_linear_with_lora(book, 1, 4.0)
+    adapted = fa.state_dict(model)
+    rng = np.random.default_rng(6)
+    for key in adapted:
+        if key.endswith("lora.B"):
+            adapted[key] = (0.1 * rng.standard_normal(adapted[key].shape)).astype(np.float32)
+    fa.load_state_dict(model, adapted)
+    book.load_state_dict({k: torch.from_numpy(v) for k, v in adapted.items()})
+    with torch.no_grad():
+        expected = book(torch.from_numpy(idx)).numpy()
+    assert np.abs(expected - reference).max() > 0.1  # the adapters moved the logits
+    assert np.abs(np.asarray(model(jnp.asarray(idx))) - expected).max() < 2e-5
 
 
 def test_rope_scaling_has_three_bands_as_the_books():
