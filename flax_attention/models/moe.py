@@ -15,7 +15,9 @@ Face's ``mlp.experts.{e}.gate_proj.weight``, ...; the forward is batched product
   book computes it.
 
 On a mesh the experts split over ``model`` (the stacked parameters' first axis), each device
-holding ``E / model`` experts whole.
+holding ``E / model`` experts whole and running them on every token; the weighted sum over the
+experts is then the one all-reduce (a gather of experts from other devices would move weights,
+so a mesh always takes the second path).
 """
 
 from __future__ import annotations
@@ -81,7 +83,8 @@ class MoEFeedForward(nnx.Module):
         index = top_index.reshape(rows.shape[0], -1)  # (n, k)
         probs = top_probs.reshape(index.shape).astype(dtype)  # (n, k)
         product = jnp.einsum
-        if index.size <= self.num_experts:  # a few tokens: read the chosen experts only
+        few = index.size <= self.num_experts
+        if few and jax.sharding.get_abstract_mesh().empty:  # read the chosen experts only
             g1, g2, g3 = w1[index], w2[index], w3[index]  # (n, k, d, h), (n, k, h, d)
             hidden = nnx.silu(product("nd,nkdh->nkh", rows, g1, precision=self.precision))
             hidden = hidden * product("nd,nkdh->nkh", rows, g2, precision=self.precision)
@@ -91,8 +94,10 @@ class MoEFeedForward(nnx.Module):
             hidden = nnx.silu(product("nd,edh->neh", rows, w1, precision=self.precision))
             hidden = hidden * product("nd,edh->neh", rows, w2, precision=self.precision)
             out = product("neh,ehd->ned", hidden, w3, precision=self.precision)  # (n, E, d)
-            gating = jnp.zeros((rows.shape[0], self.num_experts), dtype)
-            gating = gating.at[jnp.arange(rows.shape[0])[:, None], index].set(probs)
+            # the book's scatter of the chosen probabilities, as a sum of one-hots (no scatter:
+            # its layout on an explicit mesh would be ambiguous)
+            chosen = jax.nn.one_hot(index, self.num_experts, dtype=dtype)  # (n, k, E)
+            gating = product("nk,nke->ne", probs, chosen, precision=self.precision)
             y = product("ne,ned->nd", gating, out, precision=self.precision)
         return y.reshape(x.shape[:-1] + (y.shape[-1],))
 
