@@ -109,19 +109,23 @@ class _Runner:
     def __init__(self):
         self._templates = {}
 
-    def make_flax(self) -> nnx.Module:
-        """A Flax model of the case's sizes (its parameters are replaced by torch's)."""
+    def make_flax(self, dtype=None) -> nnx.Module:
+        """A Flax model of the case's sizes (its parameters are replaced by torch's), in
+        ``dtype`` (``None``: float32; a narrower one for the ``dtype`` rows)."""
         raise NotImplementedError
 
-    def flax_model(self, backend, weights: dict[str, np.ndarray]) -> nnx.Module:
-        """A Flax model holding ``weights``, strictly loaded. Built as ``new_model`` builds one:
-        no parameter drawn, the rest (RNG streams) concrete; that skeleton is made once per
-        backend and copied (a train step may donate what it is given)."""
-        if backend.label not in self._templates:
-            model = nnx.eval_shape(self.make_flax)
-            nnx.update(model, jax.jit(lambda: nnx.state(self.make_flax(), nnx.Not(nnx.Param)))())
-            self._templates[backend.label] = nnx.split(model)
-        graphdef, state = self._templates[backend.label]
+    def flax_model(self, backend, weights: dict[str, np.ndarray], dtype=None) -> nnx.Module:
+        """A Flax model (``make_flax(dtype)``) holding ``weights``, strictly loaded. Built as
+        ``new_model`` builds one: no parameter drawn, the rest (RNG streams) concrete; that
+        skeleton is made once per backend and dtype and copied (a train step may donate what it
+        is given)."""
+        key = (backend.label, dtype)
+        if key not in self._templates:
+            make = functools.partial(self.make_flax, dtype)
+            model = nnx.eval_shape(make)
+            nnx.update(model, jax.jit(lambda: nnx.state(make(), nnx.Not(nnx.Param)))())
+            self._templates[key] = nnx.split(model)
+        graphdef, state = self._templates[key]
         state = jax.tree.map(lambda x: jnp.copy(x) if isinstance(x, jax.Array) else x, state)
         model = nnx.merge(graphdef, state)
         fa.load_state_dict(model, weights)
@@ -150,8 +154,10 @@ class _GPT(_Runner):
         twin = book_gpt.GPTModel(self.cfg).to(backend.torch_device)
         return twin, self.flax_model(backend, _numpy_state(twin))
 
-    def make_flax(self):
-        return models.GPTModel(self.cfg, rngs=nnx.Rngs(0))
+    def make_flax(self, dtype=None):
+        if dtype is None:
+            return models.GPTModel(self.cfg, rngs=nnx.Rngs(0))
+        return models.GPTModel(self.cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=dtype)
 
     def _torch_batch(self, backend, batch):
         return tuple(torch.from_numpy(a).to(backend.torch_device) for a in batch)
@@ -231,17 +237,20 @@ class _GPT(_Runner):
             actual[name] = _gpt_logits(quantized, ids)
         return reference, actual
 
-    def bfloat16(self, backend):
-        """Per input: float32 torch, torch's model cast to bfloat16, and the Flax model built
-        in bfloat16 holding the same weights."""
+    def bfloat16_models(self, backend):
+        """``(float32 torch, torch in bfloat16, Flax in bfloat16)``, the same weights: torch's
+        model cast to bfloat16, the Flax model built with ``dtype`` and ``param_dtype``."""
         twin, _ = self.pair(backend)
+        model = self.flax_model(backend, _numpy_state(twin), jnp.bfloat16)
+        return twin, copy.deepcopy(twin).to(torch.bfloat16), model
+
+    def bfloat16(self, backend):
+        """Per input: float32 torch, torch's bfloat16 model and the Flax bfloat16 model's
+        logits (``bfloat16_models``)."""
+        twin, twin_bf16, model = self.bfloat16_models(backend)
         twin.eval()
-        weights = _numpy_state(twin)
-        narrow = jnp.bfloat16
-        model = models.GPTModel(self.cfg, rngs=nnx.Rngs(0), dtype=narrow, param_dtype=narrow)
-        fa.load_state_dict(model, weights)
+        twin_bf16.eval()
         model.eval()
-        twin_bf16 = copy.deepcopy(twin).to(torch.bfloat16)
         results = {}
         for name, ids in self._inputs().items():
             x = torch.from_numpy(ids).to(backend.torch_device)
@@ -310,7 +319,7 @@ class _Annotated(_Runner):
         twin = twin.to(backend.torch_device)
         return twin, self.flax_model(backend, _numpy_state(twin))
 
-    def make_flax(self):
+    def make_flax(self, dtype=None):  # float32 only: no dtype rows
         V = self.cfg["V"]
         return annotated.make_model(
             V, V, **self._sizes(), dropout=0.0, attention_dropout=0.0, rngs=nnx.Rngs(0)
