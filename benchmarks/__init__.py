@@ -28,10 +28,15 @@ configuration. Sections:
   at the post's copy-task size against its torch twin written from the post's code
   (``conformance_tests/annotated_model.py``): a copy-task training step, and batched
   ``greedy_decode`` against the post's loop row by row and the same loop batched in torch.
+- ``modern``: the book's modern attention (``benchmarks.modern``): ``GroupedQueryAttention``
+  against torch SDPA with ``enable_gqa``, forward and forward+backward; the sliding window's
+  prefill (the layer and its core) against full causal attention, its time and its peak memory;
+  ``generate`` on each of the book's GPT variants (grouped-query, latent, windows) against the
+  book's ``generate_text_simple_cached``.
 
 Every timed Flax module holds the torch module's ``state_dict`` (``flax_attention.load_state_dict``;
 the whole model: ``GPTModel.from_pretrained`` of the transformers model's ``save_pretrained``;
-the Annotated Transformer's: its twin's ``state_dict``)
+the Annotated Transformer's and the book's modern layers and models: their twins' ``state_dict``)
 and its outputs are compared with torch before timing; rows record the max difference.
 """
 
@@ -45,7 +50,7 @@ INSTALL = (
 #: The keys of every JSON row (``None`` where a field does not apply to the row's section).
 ROW_FIELDS = (
     "section",  # speed | memory | decode | compile | generate | prefill | train | parts |
-    # annotated | targets
+    # annotated | modern | targets
     "case",  # e.g. "b8_t1024"
     "mode",  # forward | forward+backward | generate | recompute | steps@16 | compile ...
     "framework",  # flax | torch (generate's read-bandwidth rows: numpy | jax | torch)
@@ -61,7 +66,7 @@ ROW_FIELDS = (
     "ratio_vs_eager",  # time / torch-eager time, same run (speed, annotated's train step), or
     # speedup (decode; annotated's greedy decode: over the post's loop batched in torch)
     "ratio_vs_sdpa",  # time / torch-SDPA time, same run (speed, memory)
-    "ratio",  # another ratio, described by ratio_of (decode speedup, flatness, targets)
+    "ratio",  # another ratio, described by ratio_of (decode speedup, flatness, modern, targets)
     "ratio_of",
     "target",  # the target this row checks (section "targets"; benchmarks.targets), else None
     "met",  # whether it is met (section "targets"), else None

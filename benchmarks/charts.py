@@ -32,6 +32,12 @@ baseline; dashed, the target of ``benchmarks.targets`` where there is one):
   tokens/s / the post's loop run row by row (``ratio``) for Flax ``greedy_decode`` and the
   post's loop batched in torch (target ``ANNOTATED_TARGETS``).
 
+- ``modern``: the book's modern attention (``ratio``): ``GroupedQueryAttention``'s time / torch
+  SDPA ``enable_gqa``'s, forward and forward+backward; the sliding window's prefill time / full
+  causal's, the layer and its core; ``generate``'s tokens/s / the book's cached loop's on each
+  GPT variant (targets ``benchmarks.targets.MODERN_TARGETS``); and the window's peak RSS
+  growth / full causal's, where the run measured it.
+
 ``compile`` (seconds, no ratio) and ``targets`` have no chart.
 """
 
@@ -49,6 +55,7 @@ from benchmarks.targets import (
     DECODE_SPEEDUP_TARGET,
     DTYPE_TARGETS,
     MODEL_TARGETS,
+    MODERN_TARGETS,
     SPEED_TARGETS,
 )
 
@@ -68,7 +75,9 @@ __all__ = [
 ]
 
 #: The sections whose rows hold ratios, in the order the CLI runs them.
-CHART_SECTIONS = ("speed", "memory", "decode", "generate", "prefill", "train", "annotated")
+CHART_SECTIONS = (
+    "speed", "memory", "decode", "generate", "prefill", "train", "annotated", "modern"
+)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,6 +177,8 @@ def chart_data(rows: list[dict], section: str) -> Chart:
             panels, title = _prefill_train_panels(rows, section)
         case "annotated":
             panels, title = _annotated_panels(rows)
+        case "modern":
+            panels, title = _modern_panels(rows)
     panels = [p for p in panels if p.groups]
     if not panels:
         raise ValueError(f"rows hold no measured ratio of section ({section!r})")
@@ -310,6 +321,47 @@ def _annotated_panels(rows):
                            "post_batched": "the post's loop batched (torch)"}.get(key, key),
     )  # fmt: skip
     return [train, decode], "Annotated Transformer: Flax against the post's torch code"
+
+
+def _modern_panels(rows):
+    """``(panels, title)``: grouped-query attention over torch SDPA ``enable_gqa`` (each pass),
+    the window over full causal (time: the layer, its core), generate over the book's loop,
+    the window's peak memory over full causal's."""
+    gqa = [  # one series per pass
+        {**r, "implementation": mode}
+        for mode in ("forward", "forward+backward")
+        for r in _with(rows, "ratio", mode=mode, framework="flax")
+    ]
+    goal = MODERN_TARGETS["gqa / torch SDPA enable_gqa"]
+    panels = [
+        _panel(gqa, "ratio", "GroupedQueryAttention",
+               "time / torch SDPA enable_gqa's (< 1: faster)", "torch SDPA enable_gqa", goal,
+               f"target <= {goal:g}", label=lambda key: f"Flax {key}")
+    ]  # fmt: skip
+    window = [  # one series per mode: the layer's bars beside its core's
+        {**r, "implementation": r["mode"].replace(" forward", "")}
+        for mode in ("layer forward", "core forward")
+        for r in _with(rows, "ratio", mode=mode, implementation="window")
+    ]
+    goal = MODERN_TARGETS["sliding window / full causal"]
+    panels.append(
+        _panel(window, "ratio", "sliding-window prefill", "time / full causal's (< 1: faster)",
+               "full causal", goal, f"target <= {goal:g}",
+               label=lambda key: f"the window's {key}")
+    )  # fmt: skip
+    goal = MODERN_TARGETS["generate / the book's cached loop"]
+    panels.append(
+        _panel(_with(rows, "ratio", mode="generate", framework="flax"), "ratio",
+               "generate on the book's GPT variants", "tokens/s / the book's loop's (> 1: faster)",
+               "the book's generate_text_simple_cached", goal, f"target >= {goal:g}",
+               label=lambda key: "Flax generate")
+    )  # fmt: skip
+    panels.append(
+        _panel(_with(rows, "ratio", mode="peak memory", implementation="window"), "ratio",
+               "sliding-window prefill, peak memory", "peak RSS growth / full causal's",
+               "full causal", label=lambda key: "the window")
+    )  # fmt: skip
+    return panels, "Modern: the book's modern attention against torch SDPA and the book's code"
 
 
 def charted_sections(rows: list[dict]) -> list[str]:

@@ -17,6 +17,7 @@ SECTIONS = (
     "train",
     "parts",
     "annotated",
+    "modern",
 )
 
 
@@ -104,6 +105,33 @@ class Config:
     annotated_decode_shape: tuple[int, int] = (8, 64)
     annotated_max_len: int = 64
     annotated_repeats: int = 3
+    # modern: the book's modern attention (benchmarks.modern)
+    #: Grouped-query attention against torch SDPA ``enable_gqa``: (batch, tokens), and the layer
+    #: (features in and out, query heads, key and value heads).
+    modern_gqa_shapes: tuple[tuple[int, int], ...] = ((8, 1024), (1, 4096))
+    modern_gqa_layer: tuple[int, int, int] = (768, 12, 4)
+    #: The sliding window's prefill against full causal attention: batch 1, ``tokens``, a window
+    #: of ``window``; the layer (features, heads; its core alone: those heads of features /
+    #: heads).
+    modern_swa_tokens: int = 8192
+    modern_swa_window: int = 1024
+    modern_swa_layer: tuple[int, int] = (768, 12)
+    #: Peak RSS growth of the window's prefill and of full causal's at these t (a fresh process
+    #: each, ``benchmarks.memory``), the window and the layer as above.
+    modern_memory_tokens: tuple[int, ...] = (32768,)
+    #: Decoding: the book's GPT variants (name: the config keys each adds), on the book's
+    #: config with ``modern_model``'s changes ({}: GPT-2 small), greedy, batch 1.
+    modern_model: dict = dataclasses.field(default_factory=dict)
+    modern_variants: dict = dataclasses.field(
+        default_factory=lambda: {
+            "gqa_kv4": {"n_kv_groups": 4},
+            "mla_latent96": {"latent_dim": 96},
+            "swa_w128_5to1": {"sliding_window_size": 128, "sliding_window_stride": 5},
+        }
+    )
+    modern_decode_prompt: int = 16
+    modern_decode_tokens: int = 64
+    modern_repeats: int = 5
 
     def repeats_for(self, shape) -> int:
         return self.speed_repeats.get(tuple(shape), self.default_repeats)
@@ -157,4 +185,25 @@ QUICK = Config(
     annotated_decode_shape=(2, 8),
     annotated_max_len=8,
     annotated_repeats=1,
+    modern_gqa_shapes=((1, 32),),
+    modern_gqa_layer=(24, 6, 2),
+    modern_swa_tokens=64,
+    modern_swa_window=8,
+    modern_swa_layer=(24, 6),
+    # A fresh process per measurement: the memory section's own rows run that path.
+    modern_memory_tokens=(),
+    # One layer, as gpt_model above (the window's: every layer one, stride 1 or not).
+    modern_model={
+        "vocab_size": 97,
+        "context_length": 32,
+        "emb_dim": 24,
+        "n_heads": 4,
+        "n_layers": 1,
+    },  # fmt: skip
+    # One variant (each compiles its own generate; their code here is the same): the window,
+    # shorter than prompt + new tokens, so decoding goes past its edge.
+    modern_variants={"swa_w8": {"sliding_window_size": 8, "sliding_window_stride": 1}},
+    modern_decode_prompt=8,
+    modern_decode_tokens=8,
+    modern_repeats=1,
 )

@@ -54,6 +54,34 @@ def load_average() -> str:
         return "unknown"
 
 
+#: What limits the instruction sets of the libraries a run times, where set: XLA's CPU
+#: compiler, torch's kernels, oneDNN, MKL, OpenBLAS. All of them set on an AVX-512 CPU make it an
+#: AVX2 stand-in (docs/performance.md, "The book's modern attention on CPU").
+ISA_VARIABLES = (
+    "XLA_FLAGS",
+    "ATEN_CPU_CAPABILITY",
+    "ONEDNN_MAX_CPU_ISA",
+    "DNNL_MAX_CPU_ISA",
+    "MKL_ENABLE_INSTRUCTIONS",
+    "OPENBLAS_CORETYPE",
+)
+
+
+def _isa_limits() -> str:
+    """The ``ISA_VARIABLES`` set, and what torch's kernels and the native kernel's loaded copy
+    run (the kernel's build, ``FLAX_ATTENTION_MARCH``, shows only in its vector width)."""
+    import torch
+
+    from flax_attention.kernels import native
+
+    parts = [f"{name}={os.environ[name]}" for name in ISA_VARIABLES if os.environ.get(name)]
+    parts.append(f"torch {torch.backends.cpu.get_cpu_capability()}")
+    if native.available():
+        parts.append(f"native kernel {native._micro_width()}-float vectors, "
+                     f"{native.products()} products")  # fmt: skip
+    return "; ".join(parts)
+
+
 def _version(package: str) -> str:
     try:
         return importlib.metadata.version(package)
@@ -78,6 +106,7 @@ def describe(torch_threads: int) -> dict:
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "cpu": _cpu_model(),
         "cpu_flags": _cpu_flags(),
+        "isa": _isa_limits(),
         "cores": os.cpu_count(),
         "memory_gib": None if memory is None else round(memory, 1),
         "python": platform.python_version(),

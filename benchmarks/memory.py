@@ -88,40 +88,60 @@ def _worker(spec: dict) -> dict:
     return _peak_growth(build(spec))
 
 
+def _flax_module(spec: dict):
+    """The Flax module a measurement runs, random weights: ``MultiHeadAttention`` (its
+    ``implementation``; in train mode with dropout where ``mode`` is ``"train"``), or with
+    ``layer`` ``"swa"`` ``MultiHeadAttentionWithSWA`` (``heads`` heads, a ``window`` of that
+    many tokens or ``None``: the section ``modern``'s measurements)."""
+    from flax import nnx
+
+    import flax_attention as fa
+
+    tokens, d_model = spec["tokens"], spec.get("d_model", 768)
+    train = spec.get("mode") == "train"
+    if spec.get("layer") == "swa":
+        module = fa.MultiHeadAttentionWithSWA(
+            d_model, d_model, 0.0, spec.get("heads", HEADS),
+            sliding_window_size=spec["window"], rngs=nnx.Rngs(0),
+        )  # fmt: skip
+    else:
+        implementation = spec["implementation"]
+        module = fa.MultiHeadAttention(
+            d_model,
+            d_model,
+            tokens,
+            TRAIN_DROPOUT if train else 0.0,
+            HEADS,
+            True,
+            implementation=None if implementation == "default" else implementation,
+            rngs=nnx.Rngs(0),
+        )
+    if train:
+        module.train()
+    else:
+        module.eval()
+    return module
+
+
 def _flax_call(spec: dict):
-    """The Flax module's jitted forward, or its training step (``mode`` ``"train"``), on a
+    """``_flax_module``'s jitted forward, or its training step (``mode`` ``"train"``), on a
     random input: a callable that compiles and runs it."""
     import jax
     import numpy as np
     from flax import nnx
 
-    import flax_attention as fa
-
     batch, tokens, d_model = spec["batch"], spec["tokens"], spec.get("d_model", 768)
-    implementation = spec["implementation"]
-    train = spec.get("mode") == "train"
-    module = fa.MultiHeadAttention(
-        d_model,
-        d_model,
-        tokens,
-        TRAIN_DROPOUT if train else 0.0,
-        HEADS,
-        True,
-        implementation=None if implementation == "default" else implementation,
-        rngs=nnx.Rngs(0),
-    )
+    module = _flax_module(spec)
     x = jax.numpy.asarray(
         np.random.default_rng(0).standard_normal((batch, tokens, d_model), dtype=np.float32)
     )
-    if train:
-        module.train()
+    if spec.get("mode") == "train":
 
         @nnx.jit
         def step(module, x):
             return nnx.value_and_grad(lambda module: (module(x) ** 2).sum())(module)
 
         return lambda: jax.block_until_ready(step(module, x))
-    module.eval()
     graphdef, state = nnx.split(module)
     forward = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x))
     return lambda: jax.block_until_ready(forward(state, x))

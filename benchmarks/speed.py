@@ -26,7 +26,17 @@ from benchmarks.timing import interleaved
 from benchmarks.torch_device import to_numpy, to_torch
 from flax_attention.kernels import native
 
-__all__ = ["flax_implementations", "plan_calls", "run"]
+__all__ = [
+    "as_named",
+    "flax_forward",
+    "flax_forward_backward",
+    "flax_grads_by_torch_name",
+    "flax_implementations",
+    "plan_calls",
+    "run",
+    "torch_forward",
+    "torch_forward_backward",
+]
 
 #: Parity bound before timing: max |flax - torch| / max(1, max |torch|) per tensor.
 TOLERANCE = 1e-4
@@ -46,7 +56,9 @@ def _label(implementation):
     return "default" if implementation is None else implementation
 
 
-def _torch_forward(module, x):
+def torch_forward(module, x):
+    """``module(x)`` under ``torch.no_grad()``, as a callable (also ``benchmarks.modern``'s)."""
+
     def call():
         with torch.no_grad():
             return module(x)
@@ -54,7 +66,9 @@ def _torch_forward(module, x):
     return call
 
 
-def _torch_forward_backward(module, x):
+def torch_forward_backward(module, x):
+    """A callable: the gradients of ``sum(module(x))`` w.r.t. ``x`` and every parameter, by
+    name (``{"x": ..., torch name: ...}``)."""
     x = x.clone().requires_grad_(True)
     names = [name for name, _ in module.named_parameters()]
     params = [p for _, p in module.named_parameters()]
@@ -67,14 +81,17 @@ def _torch_forward_backward(module, x):
     return call
 
 
-def _flax_forward(module, implementation, x):
+def flax_forward(module, implementation, x):
+    """A callable: ``module(x)`` with ``implementation``, jitted over ``nnx.split``."""
     module.implementation = implementation
     graphdef, state = nnx.split(module)
     forward = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x))
     return lambda: forward(state, x)
 
 
-def _flax_forward_backward(module, implementation, x):
+def flax_forward_backward(module, implementation, x):
+    """A callable: ``(param_grads, dx)`` of ``sum(module(x))``, jitted
+    (``flax_grads_by_torch_name`` names them as torch does)."""
     module.implementation = implementation
     graphdef, params, rest = nnx.split(module, nnx.Param, ...)
 
@@ -85,7 +102,7 @@ def _flax_forward_backward(module, implementation, x):
     return lambda: grad(params, x)
 
 
-def _flax_grads_by_torch_name(module, grads):
+def flax_grads_by_torch_name(module, grads):
     """``(param_grads, dx)`` -> ``{"x": dx, torch name: grad in torch layout}``."""
     param_grads, dx = grads
     holder = nnx.clone(module)
@@ -94,7 +111,9 @@ def _flax_grads_by_torch_name(module, grads):
     return {"x": np.asarray(dx), **named}
 
 
-def _as_named(result):
+def as_named(result):
+    """A call's result on the host as ``{name: array}`` (a lone output: ``{"out": ...}``)."""
+
     def host(v):
         return to_numpy(v) if isinstance(v, torch.Tensor) else np.asarray(v)
 
@@ -151,16 +170,16 @@ def run(config, progress=None) -> list[dict]:
 def _run_shape_mode(config, shape, mode, progress):
     """Check every callable against the documents' module, then time those that agree."""
     repeats = config.repeats_for((shape.batch, shape.tokens))
-    torch_call = _torch_forward if mode == "forward" else _torch_forward_backward
+    torch_call = torch_forward if mode == "forward" else torch_forward_backward
     calls = {"eager": torch_call(shape.eager, shape.x_torch),
              "sdpa": torch_call(shape.sdpa, shape.x_torch)}  # fmt: skip
     resolved = {"eager": "eager", "sdpa": "sdpa"}
     skipped, diffs = {}, {}
 
-    reference_out = _as_named(calls["eager"]())  # the documents' module: what all are checked on
+    reference_out = as_named(calls["eager"]())  # the documents' module: what all are checked on
     _tick(progress)
     diffs["eager"] = (0.0, 0.0)
-    diffs["sdpa"] = max_diffs(_as_named(calls["sdpa"]()), reference_out)
+    diffs["sdpa"] = max_diffs(as_named(calls["sdpa"]()), reference_out)
     _tick(progress)
     for implementation in flax_implementations():
         name = _label(implementation)
@@ -190,10 +209,10 @@ def _run_shape_mode(config, shape, mode, progress):
 def _flax_call(shape, implementation, mode):
     """``(call, its first result by torch name)``: the first call compiles."""
     if mode == "forward":
-        call = _flax_forward(shape.module, implementation, shape.x_jax)
-        return call, _as_named(call())
-    call = _flax_forward_backward(shape.module, implementation, shape.x_jax)
-    return call, _flax_grads_by_torch_name(shape.module, call())
+        call = flax_forward(shape.module, implementation, shape.x_jax)
+        return call, as_named(call())
+    call = flax_forward_backward(shape.module, implementation, shape.x_jax)
+    return call, flax_grads_by_torch_name(shape.module, call())
 
 
 def _rows(shape, mode, timings, resolved, diffs, skipped):

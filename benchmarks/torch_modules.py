@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import torch_reference as tr
 
-__all__ = ["SDPAMultiHeadAttention", "TorchKVCache"]
+__all__ = ["SDPAGroupedQueryAttention", "SDPAMultiHeadAttention", "TorchKVCache"]
 
 
 class SDPAMultiHeadAttention(tr.MultiHeadAttention):
@@ -25,6 +25,27 @@ class SDPAMultiHeadAttention(tr.MultiHeadAttention):
         values = self.W_value(x).view(b, num_tokens, self.num_heads, self.head_dim).transpose(1, 2)
         context_vec = F.scaled_dot_product_attention(
             queries, keys, values, dropout_p=0.0, is_causal=True
+        )  # (b, h, t, d)
+        context_vec = context_vec.transpose(1, 2).reshape(b, num_tokens, self.d_out)
+        return self.out_proj(context_vec)  # (b, t, d_out)
+
+
+class SDPAGroupedQueryAttention(tr.GroupedQueryAttention):
+    """``torch_reference.GroupedQueryAttention`` (same parameters, same ``state_dict``) with its
+    core replaced by torch's fused ``scaled_dot_product_attention(..., is_causal=True,
+    enable_gqa=True)``: the key and value heads as the layer projects them, not repeated."""
+
+    def forward(self, x):
+        b, num_tokens, _ = x.shape
+
+        def heads(y, n):  # (b, t, n * d) -> (b, n, t, d)
+            return y.view(b, num_tokens, n, self.head_dim).transpose(1, 2)
+
+        queries = heads(self.W_query(x), self.num_heads)
+        keys = heads(self.W_key(x), self.num_kv_groups)
+        values = heads(self.W_value(x), self.num_kv_groups)
+        context_vec = F.scaled_dot_product_attention(
+            queries, keys, values, dropout_p=0.0, is_causal=True, enable_gqa=True
         )  # (b, h, t, d)
         context_vec = context_vec.transpose(1, 2).reshape(b, num_tokens, self.d_out)
         return self.out_proj(context_vec)  # (b, t, d_out)

@@ -190,7 +190,9 @@ def test_caption_names_the_machine_and_the_command(quick_run):
 def test_redraw_from_json_gives_the_same_data(quick_run):
     loaded = charts.load_results(quick_run.json_path)
     sections = charts.charted_sections(loaded["rows"])
-    assert sections == ["speed", "memory", "decode", "generate", "prefill", "train", "annotated"]
+    assert sections == [
+        "speed", "memory", "decode", "generate", "prefill", "train", "annotated", "modern"
+    ]  # fmt: skip
     for section in sections:
         again = charts.chart_data(loaded["rows"], section)
         assert again == charts.chart_data(quick_run.data["rows"], section), section
@@ -200,8 +202,8 @@ def test_redraw_from_json_gives_the_same_data(quick_run):
 def test_charts_flag_writes_one_png_per_section_and_a_redraw_the_same(quick_run, tmp_path, capsys):
     written = sorted(p.name for p in quick_run.chart_dir.iterdir())
     assert written == [
-        "annotated.png", "decode.png", "generate.png", "memory.png", "prefill.png", "speed.png",
-        "train.png",
+        "annotated.png", "decode.png", "generate.png", "memory.png", "modern.png", "prefill.png",
+        "speed.png", "train.png",
     ]  # fmt: skip
     for name in written:
         data = (quick_run.chart_dir / name).read_bytes()

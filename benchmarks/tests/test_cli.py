@@ -47,6 +47,7 @@ def test_rows_have_every_field_and_every_section(quick_run):
         "train",
         "parts",
         "annotated",
+        "modern",
         "targets",
     }, sections
 
@@ -62,7 +63,7 @@ def test_times_and_quantities_are_finite_and_positive(quick_run):
         if row["value"] is not None:
             assert math.isfinite(row["value"]) and row["value"] > 0, (name, row["value"])
     for section in ("memory", "decode", "compile", "generate", "prefill", "train", "parts",
-                    "annotated"):  # fmt: skip
+                    "annotated", "modern"):  # fmt: skip
         assert _measured(rows, section), f"section {section} measured nothing"
 
 
@@ -84,9 +85,9 @@ def test_flax_equals_torch_in_every_compared_row(quick_run):
     flax_rows = [r for r in compared if r["framework"] == "flax"]
     # every flax speed row (outputs; gradients w.r.t. input and every parameter), generation,
     # the whole model's logits and its training losses, its parts' outputs and input gradients,
-    # the Annotated Transformer's training losses
+    # the Annotated Transformer's training losses, the book's modern layers (and generated tokens)
     assert {r["section"] for r in flax_rows} == {
-        "speed", "decode", "prefill", "train", "parts", "annotated"
+        "speed", "decode", "prefill", "train", "parts", "annotated", "modern"
     }  # fmt: skip
     assert any(r["mode"] == "forward+backward" for r in flax_rows)
     for row in compared:
@@ -326,5 +327,5 @@ def test_layer_targets_of_hand_made_rows():
 def test_table_on_stdout(quick_run):
     stdout = quick_run.stdout
     for title in ("Machine", "Speed:", "Memory:", "Decode:", "Compile:", "Generate:", "Prefill:",
-                  "Train:", "Annotated:", "Targets"):  # fmt: skip
+                  "Train:", "Annotated:", "Modern:", "Targets"):  # fmt: skip
         assert title in stdout, f"{title!r} missing from the printed table"
