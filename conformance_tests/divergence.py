@@ -127,7 +127,12 @@ class DivergenceRow:
     note: str = ""
 
     def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The row's fields; a value not measured (NaN) or not measurable (infinite: shapes
+        torch's cannot be read as) as ``None``, so that the JSON is strict."""
+        return {
+            k: None if isinstance(v, float) and not math.isfinite(v) else v
+            for k, v in dataclasses.asdict(self).items()
+        }
 
 
 @dataclasses.dataclass
@@ -166,7 +171,7 @@ class DivergenceReport:
 
     def to_json(self, **options) -> str:
         """The report as a JSON document (``json.dumps`` options pass through)."""
-        return json.dumps(self.as_dict(), **options)
+        return json.dumps(self.as_dict(), **{"allow_nan": False, **options})
 
     def __str__(self) -> str:
         return format_report(self)
@@ -636,7 +641,7 @@ def _record_torch(torch_model, torch_inputs, pairs, torch_output, cotangent_seed
         leaf = _first_float_torch(output)
         if leaf is not None:
             call.out = _torch_numpy(leaf)
-            if backward and leaf.requires_grad:
+            if backward and leaf.requires_grad and call.name:  # the model's: the cotangent
 
                 def keep(grad, call=call):
                     call.out_grad = _torch_numpy(grad)
@@ -662,6 +667,7 @@ def _record_torch(torch_model, torch_inputs, pairs, torch_output, cotangent_seed
                     "model's output to compare (e.g. torch_output=lambda out: out.logits)"
                 )
             final_value = _torch_numpy(final)
+            calls[0].out = final_value  # the model's row: the output the caller compares
             cotangent = (
                 np.random.default_rng(cotangent_seed)
                 .standard_normal(final_value.shape)
@@ -1133,6 +1139,8 @@ class _Finder:
             row.bound = tol * _scale(call.out)
             row.passed = bool(record.given_torch <= row.bound)
             notes = [record.note] if record.note else []
+            if math.isinf(record.given_torch):
+                notes.append(f"its output's shape cannot be read as torch's {call.out.shape}")
             if call.takes_function:
                 notes.append("called with a function: the Flax call's own")
             row.note = "; ".join(notes)

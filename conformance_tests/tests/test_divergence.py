@@ -10,6 +10,7 @@ before it).
 from __future__ import annotations
 
 import json
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -396,3 +397,10 @@ def test_models_in_different_modes_are_refused(book):
     model = GPTModel({**GPT, "drop_rate": 0.1}, rngs=nnx.Rngs(0))  # in train mode, as built
     with pytest.raises(ValueError, match=r"flax_model \(train mode\) must be in the mode of"):
         find_divergence(book, model, [IDS])
+
+
+@pytest.mark.quick
+def test_the_command_line_without_torch_says_what_to_install(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "torch", None)  # what find_spec sees when it is absent
+    assert cli_main(["diverge", "conformance_tests.tests.test_divergence:user_pair"]) == 2
+    assert capsys.readouterr().err.startswith("python -m conformance_tests needs torch")
