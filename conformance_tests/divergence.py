@@ -362,7 +362,7 @@ def _as_numpy_input(index: int, value) -> np.ndarray:
         return _torch_numpy(value) if value.is_floating_point() else value.detach().cpu().numpy()
     try:
         array = np.asarray(value)
-    except Exception as error:  # noqa: BLE001 - named in the message
+    except (TypeError, ValueError) as error:
         raise TypeError(
             f"inputs[{index}] ({_describe(value)}) must be an array-like ({error})"
         ) from None
@@ -428,9 +428,9 @@ def _check_layout(layout, flax_model) -> None:
         )
     if names_of(flax_model) is None:
         raise ValueError(
-            f"layout ({layout!r}) needs a flax_model of a class registered with the weight "
-            f"bridge (flax_attention.layouts.register); {type(flax_model).__name__} is not: "
-            "pair it with names={torch name: flax path} instead"
+            f"layout ({layout!r}) must be None for a flax_model of a class the weight bridge "
+            f"does not know ({type(flax_model).__name__}): register it "
+            "(flax_attention.layouts.register) or pair by names={torch name: flax path}"
         )
     fa_weights._layout(flax_model, layout)  # the bridge's own refusals (a class not taking it)
 
@@ -577,7 +577,6 @@ class _TorchCall:
     name: str
     call: int
     index: int
-    parent: int | None
     paired: bool
     tensors: list = dataclasses.field(default_factory=list)  # [(key, np.ndarray)] in order
     takes_function: bool = False
@@ -603,7 +602,6 @@ def _record_torch(torch_model, torch_inputs, pairs, torch_output, cotangent_seed
             name,
             counts.get(name, 0),
             len(calls),
-            stack[-1].index if stack else None,
             name in pairs,
             ancestors=tuple(c.index for c in stack),
         )
@@ -778,8 +776,7 @@ class _FlaxCall:
     flowing: float = math.nan
     given_torch: float = math.nan
     dtype: str = "float32"
-    matched: list = dataclasses.field(default_factory=list)  # [(flax key, torch key, arrange)]
-    out_arrangement: int = 0
+    matched: list = dataclasses.field(default_factory=list)  # [(flax key, torch key)]
     note: str = ""
 
 
@@ -831,11 +828,13 @@ class _ForwardRun:
             ]
             options.append(readings)
             same = same and len(readings) == 1 and np.array_equal(readings[0], flax_value)
+        record.matched = [(key, torch_key) for key, torch_key, _ in matched]
+        if not matched:
+            record.note = "no array of it matched torch's inputs: its own"
         if same:  # torch's inputs are the Flax call's own (the model's ids): nothing to rerun
             record.given_torch = record.flowing
-            record.matched = [(key, torch_key, 0) for key, torch_key, _ in matched]
             return
-        best = (math.inf, None)
+        best = math.inf
         self.suspended = True
         try:
             for choice in itertools.islice(itertools.product(*[range(len(o)) for o in options]), 8):
@@ -846,15 +845,10 @@ class _ForwardRun:
                 if again_index is None:
                     continue
                 error, _ = _compare(np.asarray(again_leaves[again_index]), torch_call.out)
-                if error < best[0]:
-                    best = (error, choice)
+                best = min(best, error)  # of the readings of torch's shapes as the Flax ones
         finally:
             self.suspended = False
-        record.given_torch = best[0]
-        choice = best[1] or (0,) * len(matched)
-        record.matched = [(m[0], m[1], c) for m, c in zip(matched, choice)]
-        if not matched:
-            record.note = "no array matched torch's inputs: its own"
+        record.given_torch = best
 
 
 def _tap(store: dict, key):
@@ -896,7 +890,7 @@ class _BackwardRun:
             self.counts[path] = k + 1
             record = self.forward.results.get((path, k))
             replaced = {}
-            for key, _, _ in record.matched if record is not None else ():
+            for key, _ in record.matched if record is not None else ():
                 value = args[key[1]] if key[0] == "arg" else kwargs[key[1]]
                 if _kind(value.dtype) == "f":
                     replaced[key] = _tap(self.store, (path, k, "in", key))(value)
@@ -1205,7 +1199,7 @@ class _Finder:
                 got = store.get((path, call.call, "out"), np.zeros_like(call.out_grad))
                 row.output_grad, row.output_grad_bound = held(got, call.out_grad)
             worst = own.get(call.name)
-            for flax_key, torch_key, _ in self.forward.results[(path, call.call)].matched:
+            for flax_key, torch_key in self.forward.results[(path, call.call)].matched:
                 want = call.in_grads.get(torch_key)
                 if want is not None:
                     got = store.get((path, call.call, "in", flax_key), np.zeros_like(want))

@@ -381,7 +381,7 @@ def test_a_users_pair_under_other_names_and_the_report_forms(capsys):
         (dict(names=["blocks"]), TypeError, r"names \(list\) must be None or a mapping"),
         (dict(inputs=[]), TypeError, r"inputs \(0 arrays\) must be the positional arguments"),
         (dict(layout="nope"), ValueError, r"layout \('nope'\) must be None or a registered"),
-        (dict(layout="gpt2"), ValueError, r"layout \('gpt2'\) needs a flax_model of a class"),
+        (dict(layout="gpt2"), ValueError, r"layout \(.gpt2.\) must be None for a flax_model"),
         (dict(rtol=-1.0), ValueError, r"rtol \(-1\.0\) must be None or a positive number"),
         (dict(torch_model="model"), TypeError, r"torch_model \(str\) must be a torch\.nn"),
     ],
