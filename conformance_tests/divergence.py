@@ -1248,10 +1248,10 @@ def assert_no_divergence(torch_model, flax_model, inputs, **options) -> Divergen
 
 def main(argv=None) -> int:
     """``python -m conformance_tests diverge MODULE:FACTORY [--layout L] [--json PATH]
-    [--forward-only]``: ``FACTORY()`` (a function of an importable module) returns
-    ``(torch_model, flax_model, inputs)`` or a dict with those keys and any of
-    ``find_divergence``'s keywords. Prints the table; exits 0 when nothing departs, 1 when
-    something does, 2 on a bad factory."""
+    [--forward-only]``: ``FACTORY()`` (a function of a module importable from the current
+    directory) returns ``(torch_model, flax_model, inputs)`` or a dict with those keys and any
+    of ``find_divergence``'s keywords. Prints the table; exits 0 when nothing departs, 1 when
+    something does, 2 when the factory or what it returns is refused (the reason on stderr)."""
     parser = argparse.ArgumentParser(
         prog="python -m conformance_tests diverge",
         description="Name the first submodule where a Flax port departs from its torch model.",
@@ -1262,23 +1262,35 @@ def main(argv=None) -> int:
     parser.add_argument("--forward-only", action="store_true", help="skip the gradients")
     args = parser.parse_args(argv)
     module_name, _, function_name = args.factory.partition(":")
+    if "" not in sys.path:
+        sys.path.insert(0, "")  # the current directory, as python -m has it
     try:
-        factory = getattr(importlib.import_module(module_name), function_name or "make_pair")
-        made = factory()
-    except (ImportError, AttributeError) as error:
-        print(f"factory ({args.factory!r}) must name MODULE:FUNCTION ({error})", file=sys.stderr)
+        factory = getattr(importlib.import_module(module_name), function_name)
+    except (ImportError, AttributeError, ValueError) as error:
+        print(f"factory ({args.factory!r}) must be MODULE:FUNCTION ({error})", file=sys.stderr)
         return 2
+    made = factory()
+    keys = ("torch_model", "flax_model", "inputs")
     options = {}
-    if isinstance(made, Mapping):
-        options = {
-            k: v for k, v in made.items() if k not in ("torch_model", "flax_model", "inputs")
-        }
-        made = (made["torch_model"], made["flax_model"], made["inputs"])
+    if isinstance(made, Mapping) and all(key in made for key in keys):
+        options = {k: v for k, v in made.items() if k not in keys}
+        made = tuple(made[key] for key in keys)
+    if not isinstance(made, tuple) or len(made) != 3:
+        print(
+            f"factory ({args.factory!r}) must return (torch_model, flax_model, inputs) or a "
+            f"dict with those keys (it returned a {type(made).__name__})",
+            file=sys.stderr,
+        )
+        return 2
     if args.layout:
         options["layout"] = args.layout
     if args.forward_only:
         options["backward"] = False
-    report = find_divergence(*made, **options)
+    try:
+        report = find_divergence(*made, **options)
+    except (TypeError, ValueError) as error:
+        print(error, file=sys.stderr)
+        return 2
     print(report)
     if args.json:
         with open(args.json, "w") as handle:

@@ -334,6 +334,10 @@ def user_pair():
     return {"torch_model": theirs, "flax_model": ours, "inputs": [x], "names": NAMES}
 
 
+def not_a_pair():
+    return "pair"
+
+
 def broken_user_pair():
     made = user_pair()
     _moved(made["flax_model"].layers[1].dense.bias, 2, 0.01)
@@ -341,7 +345,7 @@ def broken_user_pair():
 
 
 @pytest.mark.quick
-def test_a_users_pair_under_other_names_and_the_report_forms(capsys):
+def test_a_users_pair_under_other_names_and_the_report_forms(capsys, tmp_path):
     made = user_pair()
     theirs, ours = made["torch_model"], made["flax_model"]
     before = nnx.state(ours)
@@ -367,9 +371,14 @@ def test_a_users_pair_under_other_names_and_the_report_forms(capsys):
     # the command line: python -m conformance_tests diverge MODULE:FACTORY
     module = "conformance_tests.tests.test_divergence"
     assert cli_main(["diverge", f"{module}:user_pair"]) == 0
-    assert cli_main(["diverge", f"{module}:broken_user_pair", "--forward-only"]) == 1
+    written = tmp_path / "report.json"
+    command = ["diverge", f"{module}:broken_user_pair", "--forward-only", "--json", str(written)]
+    assert cli_main(command) == 1
     assert "<- first" in capsys.readouterr().out
+    assert json.loads(written.read_text())["first"] == "blocks.1.fc"
     assert cli_main(["diverge", f"{module}:no_such_factory"]) == 2
+    assert cli_main(["diverge", f"{module}:not_a_pair"]) == 2
+    assert "must return (torch_model, flax_model, inputs)" in capsys.readouterr().err
 
 
 @pytest.mark.quick
