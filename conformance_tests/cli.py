@@ -238,7 +238,17 @@ def _write_outputs(args, rows) -> None:
 
 def main(argv=None) -> int:
     """The report: 0 if every row passes, 1 if one fails, 2 if nothing could run (what is
-    missing, a bad option, or every case skipped on the mesh)."""
+    missing, a bad option, or every case skipped on the mesh). ``diverge ...`` runs
+    ``conformance_tests.divergence.main`` instead (a user's pair: where does it depart?)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["diverge"]:
+        missing = missing_requirements()
+        if missing:
+            print(missing, file=sys.stderr)
+            return 2
+        from conformance_tests.divergence import main as diverge
+
+        return diverge(argv[1:])
     args = parse_args(argv)
     missing = missing_requirements(plots=bool(args.plots), book=_needs_book(args.cases))
     if missing:
