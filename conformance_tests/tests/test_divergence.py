@@ -64,6 +64,16 @@ class NoShortcut(TransformerBlock):
         return self.drop_resid(self.ff(self.norm2(x))) + x
 
 
+class StoppedShortcut(TransformerBlock):
+    """The forward right, the gradient through the first shortcut stopped: the block's wiring
+    of the backward pass is wrong, each child's is right."""
+
+    def __call__(self, x, *, decode=False, mask=None):
+        shortcut = jax.lax.stop_gradient(x)
+        x = self.drop_resid(self.att._forward(self.norm1(x), decode=decode, mask=mask)) + shortcut
+        return self.drop_resid(self.ff(self.norm2(x))) + x
+
+
 class Relu(nnx.Module):
     def __call__(self, x):
         return jax.nn.relu(x)
@@ -124,6 +134,11 @@ def test_the_book_gpt_clean_and_each_planted_bug(book):
     error, bound = report.params["pos_emb.weight"]
     assert error > 1e3 * bound
     assert all(e <= b for k, (e, b) in report.params.items() if k != "pos_emb.weight")
+    model = _gpt(book)
+    object.__setattr__(model.trf_blocks[1], "__class__", StoppedShortcut)
+    report = find_divergence(book, model, [IDS])
+    # every parameter before block 1 departs, block 1's own children hold: the block is named
+    assert (report.first, report.first_grad) == (None, "trf_blocks.1"), str(report)
 
 
 def test_the_book_gpt_in_bfloat16_against_torch_in_float32(book):
