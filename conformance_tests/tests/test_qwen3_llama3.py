@@ -120,7 +120,7 @@ def test_cached_generation_equals_the_books_cached_loop(name):
     np.testing.assert_array_equal(np.asarray(ours), expected)
 
 
-@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe", "llama3"])
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe"])  # Llama 3's bfloat16: the report's rows
 def test_int8_bfloat16_and_lora_as_the_books(name):
     """int8: the book's model holding the dequantized weights gives the quantized model's
     logits; bfloat16: the error against float32 within 1.5x of the book's own bfloat16 model's;
