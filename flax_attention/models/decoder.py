@@ -51,7 +51,7 @@ from flax_attention.core import Implementation
 from flax_attention.layouts import ModelNames, Names, register
 from flax_attention.mesh import FROM_HEADS, TO_HEADS, LinearAxes
 from flax_attention.models import checkpoints
-from flax_attention.models.gpt import Config, DecoderModel, check_model_dtypes
+from flax_attention.models.gpt import BlockCache, Config, DecoderModel, check_model_dtypes
 from flax_attention.multihead import MultiHeadAttention
 
 __all__ = [
@@ -238,24 +238,12 @@ class GroupedQueryAttention(MultiHeadAttention):
         return super()._rotate(queries, keys, positions, decode)
 
 
-class TransformerBlock(nnx.Module):
+class TransformerBlock(BlockCache, nnx.Module):
     """The book's Qwen3/Llama 3 ``TransformerBlock``: ``x + att(norm1(x))``, then
     ``x + ff(norm2(x))``. Its decode cache is its attention's."""
 
     def __init__(self, att: GroupedQueryAttention, ff: nnx.Module, norm1, norm2):
         self.att, self.ff, self.norm1, self.norm2 = att, ff, norm1, norm2
-
-    def init_cache(self, batch_size, max_length: int | None = None, dtype=None) -> None:
-        self.att.init_cache(batch_size, max_length, dtype)
-
-    def clear_cache(self) -> None:
-        self.att.clear_cache()
-
-    def cached_length(self) -> jax.Array:
-        return self.att.cached_length()
-
-    def cache_capacity(self) -> int | None:
-        return self.att.cache_capacity()
 
     def __call__(self, x, *, decode: bool = False, mask=None, positions=None):
         x = x + self.att._forward(self.norm1(x), decode=decode, mask=mask, positions=positions)

@@ -271,7 +271,28 @@ class FeedForward(nnx.Module):
         return self.layers[2](hidden)  # (b, t, d)
 
 
-class TransformerBlock(nnx.Module):
+class BlockCache:
+    """A block's decode cache is its attention's (``att``): what a model asks its blocks
+    (``TransformerBlock`` here, ``models.decoder.TransformerBlock``)."""
+
+    def init_cache(self, batch_size, max_length: int | None = None, dtype=None) -> None:
+        """An empty decode cache in the attention (``MultiHeadAttention.init_cache``)."""
+        self.att.init_cache(batch_size, max_length, dtype)
+
+    def clear_cache(self) -> None:
+        """Drop the attention's decode cache."""
+        self.att.clear_cache()
+
+    def cached_length(self) -> jax.Array:
+        """Tokens in the decode cache, the next one's position (int32; traced inside jit)."""
+        return self.att.cached_length()
+
+    def cache_capacity(self) -> int | None:
+        """The decode cache's ``max_length``; ``None`` without a cache."""
+        return self.att.cache_capacity()
+
+
+class TransformerBlock(BlockCache, nnx.Module):
     """The book's ``TransformerBlock``: ``x + drop_resid(att(norm1(x)))``, then
     ``x + drop_resid(ff(norm2(x)))``.
 
@@ -312,22 +333,6 @@ class TransformerBlock(nnx.Module):
         self.norm1 = LayerNorm(cfg["emb_dim"], **options.norm())
         self.norm2 = LayerNorm(cfg["emb_dim"], **options.norm())
         self.drop_resid = Dropout(cfg["drop_rate"], rngs=rngs)
-
-    def init_cache(self, batch_size, max_length: int | None = None, dtype=None) -> None:
-        """An empty decode cache in the attention (``MultiHeadAttention.init_cache``)."""
-        self.att.init_cache(batch_size, max_length, dtype)
-
-    def clear_cache(self) -> None:
-        """Drop the attention's decode cache."""
-        self.att.clear_cache()
-
-    def cached_length(self) -> jax.Array:
-        """Tokens in the decode cache, the next one's position (int32; traced inside jit)."""
-        return self.att.cached_length()
-
-    def cache_capacity(self) -> int | None:
-        """The decode cache's ``max_length``; ``None`` without a cache."""
-        return self.att.cache_capacity()
 
     def __call__(self, x, *, decode: bool = False, mask=None):
         shortcut = x
