@@ -5,6 +5,9 @@ memory worker's sliding-window layer check the rest without a run (no timing ass
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import pytest
 from flax import nnx
 
@@ -73,17 +76,14 @@ def test_the_modern_chart_and_targets_hold_the_rows_ratios(quick_run):
     rows = quick_run.data["rows"]
     pairs = _pairs(rows)
     chart = charts.chart_data(rows, "modern")
-    gqa, window, generate = chart.panels  # no memory rows: no memory panel
+    gqa, window = chart.panels  # QUICK decodes nothing and measures no memory: no such panels
     assert gqa.target == MODERN_TARGETS["gqa / torch SDPA enable_gqa"]
     assert window.target == MODERN_TARGETS["sliding window / full causal"]
-    assert generate.target == MODERN_TARGETS["generate / the book's cached loop"]
     for (case, mode), pair in pairs.items():
         if mode in ("forward", "forward+backward"):
             assert gqa.value(mode, case) == pair[("flax", "GroupedQueryAttention")]["ratio"]
         if mode in ("layer forward", "core forward"):
             assert window.value(mode.split()[0], case) == pair[("flax", "window")]["ratio"]
-        if mode == "generate":
-            assert generate.value("generate", case) == pair[("flax", "generate")]["ratio"]
     goals = [r for r in rows if r["section"] == "targets" and "modern attention" in r["target"]]
     expected = [pair[("flax", PAIRS[mode][0])] for (_, mode), pair in pairs.items()]
     assert sorted((g["case"], g["value"]) for g in goals) == sorted(
@@ -152,3 +152,47 @@ def test_peak_memory_measures_the_window_layer_and_rows_its_growth(monkeypatch):
     monkeypatch.setattr(memory, "measure", lambda spec: {"error": "exit 1: boom"})
     rows = modern._peak_memory(config, None)
     assert [(r["skipped"], r["note"]) for r in rows] == [(True, "exit 1: boom")] * 2
+
+
+@pytest.mark.quick
+def test_decode_rows_time_equal_tokens_only(monkeypatch):
+    """The decode rows' code on stand-ins of the two loops (a real generate compiles for seconds,
+    so QUICK decodes nothing): equal tokens are timed, tokens/s and their ratio from the
+    medians; a differing token leaves both rows skipped, saying how many were equal."""
+    import numpy as np
+    import torch
+
+    from conformance_tests import book_modern
+    from flax_attention import models
+
+    prompt, new = QUICK.modern_decode_prompt, QUICK.modern_decode_tokens
+    config = dataclasses.replace(QUICK, modern_variants={"gqa_kv2": {"n_kv_groups": 2}})
+    seen = []
+
+    def flax_generate(model, ids, max_new_tokens, context_size):
+        seen.append((type(model).__name__, model.cfg["n_kv_groups"], context_size))
+        return np.concatenate([ids, np.full((1, max_new_tokens), 5)], axis=1)
+
+    def book_loop(twin, ids, max_new_tokens, last=5):
+        return torch.cat([ids, torch.full((1, max_new_tokens), 5)], dim=1).index_fill_(
+            1, torch.tensor([ids.shape[1] + max_new_tokens - 1]), last
+        )
+
+    monkeypatch.setattr(models, "generate", flax_generate)
+    monkeypatch.setattr(book_modern, "generate_text_simple_cached", book_loop)
+    flax_row, book_row = modern._decode(config, None)
+    assert seen[0] == ("GPTModel", 2, QUICK.modern_model["context_length"])
+    assert flax_row["case"] == f"gqa_kv2_b1_p{prompt}_n{new}" and not flax_row["skipped"]
+    assert (flax_row["framework"], book_row["implementation"]) == (
+        "flax", "generate_text_simple_cached"
+    )  # fmt: skip
+    for row in (flax_row, book_row):
+        assert row["value"] == pytest.approx(new / (row["median_ms"] / 1e3))
+    assert flax_row["ratio"] == pytest.approx(flax_row["value"] / book_row["value"])
+    assert f"tokens equal to the book's loop: {prompt + new}/{prompt + new}" in flax_row["note"]
+
+    monkeypatch.setattr(book_modern, "generate_text_simple_cached",
+                        functools.partial(book_loop, last=6))  # fmt: skip
+    rows = modern._decode(config, None)
+    note = f"tokens equal to the book's loop: {prompt + new - 1}/{prompt + new}: not timed"
+    assert [(r["skipped"], r["note"], r["median_ms"]) for r in rows] == [(True, note, None)] * 2
