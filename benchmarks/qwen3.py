@@ -2,10 +2,11 @@
 ``Qwen3ForCausalLM``, prefill and greedy decode, float32 and bfloat16, with the bound that
 reading the weights once per token sets.
 
-``python -m benchmarks.qwen3 [--quick] [--repeats N] [--json PATH] [--torch-threads N]`` prints
-the machine and one table (about 7 minutes on the 2-core machine of docs/performance.md); every
-ratio's callables are timed round-robin in the same run (``benchmarks.timing.interleaved``),
-medians of ``--repeats`` calls (default 3) after a warm-up call each. Progress goes to stderr.
+``python -m benchmarks.qwen3 [--quick] [--repeats N] [--json PATH] [--torch-threads N]
+[--dtypes float32,bfloat16]`` prints the machine and one table (about 6 minutes on the 2-core
+machine of docs/performance.md when nothing else runs); every ratio's callables are timed
+round-robin in the same run (``benchmarks.timing.interleaved``), medians of ``--repeats`` calls
+(default 3) after a warm-up call each. Progress goes to stderr.
 
 The models: ``QWEN_CONFIG_06_B`` (the real Qwen3-0.6B's sizes: vocabulary 151936, 1024 features,
 28 layers, 16 query heads over 8 key heads of 128, SwiGLU 3072, QK-norm, rotary base 1e6) with
@@ -368,6 +369,9 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--torch-threads", type=int, help="torch.set_num_threads (default: its own)"
     )
+    parser.add_argument(
+        "--dtypes", default="float32,bfloat16", help="comma-separated (default: both)"
+    )
     args = parser.parse_args(argv)
     if args.torch_threads is not None:
         torch.set_num_threads(args.torch_threads)
@@ -377,6 +381,10 @@ def main(argv=None) -> int:
     settings = QUICK if args.quick else FULL
     if args.repeats is not None:
         settings = dataclasses.replace(settings, repeats=args.repeats)
+    dtypes = tuple(args.dtypes.split(","))
+    if not set(dtypes) <= {"float32", "bfloat16"}:
+        parser.error(f"--dtypes ({args.dtypes!r}) must name float32 and/or bfloat16")
+    settings = dataclasses.replace(settings, dtypes=dtypes)
     started = time.perf_counter()
     machine = describe(torch.get_num_threads())
     machine["command"] = "python -m benchmarks.qwen3 " + " ".join(
