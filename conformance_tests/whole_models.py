@@ -5,28 +5,39 @@ against its torch twins, the same checks and tolerances as the layers'.
 |---|---|---|---|
 | ``GPTModel`` | ``GPTModel`` | ``book_gpt.GPTModel`` | 4 batches of (2, 16) ids |
 | ``annotated`` | ``annotated.make_model`` | ``annotated_model`` | a padded batch; the copy task |
+| ``Qwen3Model`` | ``Qwen3Model`` | ``llms_from_scratch.qwen3.Qwen3Model`` | as the GPT's |
+| ``Llama3Model`` | ``Llama3Model`` | ``llms_from_scratch.llama3.Llama3Model`` | as the GPT's |
 
-torch draws the weights (``case.seed``); the Flax model is built without drawing its own and
+torch draws the weights (``case.seed``), but for Qwen3 and Llama 3, whose twin is the book's
+package as it ships (its mixture of experts builds the experts on the meta device, with nothing
+drawn): NumPy draws theirs as torch's initialisers would, the norms' scales away from 1, and the
+book's model loads them with ``assign=True``. The Flax model is built without drawing its own and
 loaded with ``flax_attention.load_state_dict`` (the tests' way: ``test_models.py``,
-``test_annotated_model.py``). Every dropout is off on both sides (the post's attentions' fixed
-0.1 included). Rows, each ``compare``'s rule against the ``tolerances.py`` entry of its check:
+``test_annotated_model.py``, ``test_qwen3_llama3.py``). Every dropout is off on both sides (the
+post's attentions' fixed 0.1 included). Rows, each ``compare``'s rule against the
+``tolerances.py`` entry of its check:
 
-- ``forward``: eval-mode outputs (GPT: logits and chapter 5's loss; annotated: the encoder's
-  memory, the decoder's output, the generator's log-probs and the label-smoothed loss).
+- ``forward``: eval-mode outputs (GPT, Qwen3, Llama 3: logits and chapter 5's loss; annotated:
+  the encoder's memory, the decoder's output, the generator's log-probs and the label-smoothed
+  loss).
 - ``forward/int8`` (GPT): ``models.quantize(model, "int8")``'s logits against the book's model
   holding the int8 model's dequantized weights (``fa.state_dict`` of it), under the float32
   ``forward`` tolerance, on a prefill-sized batch (2 x 16 ids: XLA's products) and a
   decode-sized one (2 x 7: the narrow-weight kernel's, where it is built).
-- ``dtype`` (GPT, bfloat16): the model in bfloat16 (``dtype`` and ``param_dtype``) against
-  float32 torch, one row per batch size (``forward``: 2 x 16 ids, ``forward/decode``: 2 x 7).
-  Its bound is torch's own: ``tol`` is 1.5 times the error of the book's model cast to
-  bfloat16 on the same input (capped at the layers' bfloat16 ``forward`` entry).
+- ``dtype`` (bfloat16; not the annotated model): the model in bfloat16 against float32 torch,
+  one row per batch size (``forward``: 2 x 16 ids, ``forward/decode``: 2 x 7). Its bound is
+  torch's own: ``tol`` is 1.5 times the error of the book's model in bfloat16 on the same input
+  (capped at the layers' bfloat16 ``forward`` entry). GPT: both models cast whole (``dtype``
+  and ``param_dtype``); Qwen3 and Llama 3: both built as the book's configs build them,
+  ``cfg["dtype"]`` bfloat16 (Qwen3's norm scales stay float32 on both sides).
 - ``grad``: every parameter's gradient of that loss, by torch name (the worst one named).
-- ``train/adamw`` (GPT: chapter 5's ``AdamW(lr=4e-4, weight_decay=0.1)``, the library's
-  ``train_step`` with ``optax.adamw`` as a user writes it) and ``train/adam`` (annotated: the
-  post's Adam on its ``rate`` schedule, warmup 400, base lr 0.5, on the copy task): each step's
-  loss, every parameter after steps 10 and 20, and the trained model's output.
-- ``train/key_bias``: the key projections' biases (``W_key.bias``, ``linears.1.bias``) have no
+- ``train/adamw`` (GPT, Qwen3, Llama 3: chapter 5's ``AdamW(lr=4e-4, weight_decay=0.1)``, the
+  library's ``train_step`` with ``optax.adamw`` as a user writes it) and ``train/adam``
+  (annotated: the post's Adam on its ``rate`` schedule, warmup 400, base lr 0.5, on the copy
+  task): each step's loss, every parameter after steps 10 and 20, and the trained model's
+  output.
+- ``train/key_bias`` (GPT, annotated; Qwen3 and Llama 3 have no biases): the key projections'
+  biases (``W_key.bias``, ``linears.1.bias``) have no
   true gradient: softmax ignores a shift shared by all keys. Adam normalises the rounding noise
   of their gradients into steps of nearly the learning rate, so they drift apart with no effect
   on anything; the ``train`` rows leave them out of the parameters (the trained output holds
@@ -106,22 +117,30 @@ class _Runner:
     """What the checks of one model case call: ``pair``, ``forward``, ``grads``, ``output``,
     ``train`` (one runner per case and process: ``_runner``)."""
 
+    #: Whether the model has key biases (the ``train/key_bias`` row) and an int8 form
+    #: (``models.quantize``: the ``forward/int8`` row).
+    key_biases, quantizable = True, False
+
     def __init__(self):
         self._templates = {}
 
-    def make_flax(self) -> nnx.Module:
-        """A Flax model of the case's sizes (its parameters are replaced by torch's)."""
+    def make_flax(self, dtype=None) -> nnx.Module:
+        """A Flax model of the case's sizes (its parameters are replaced by torch's), in
+        ``dtype`` (``None``: float32; a narrower one for the ``dtype`` rows)."""
         raise NotImplementedError
 
-    def flax_model(self, backend, weights: dict[str, np.ndarray]) -> nnx.Module:
-        """A Flax model holding ``weights``, strictly loaded. Built as ``new_model`` builds one:
-        no parameter drawn, the rest (RNG streams) concrete; that skeleton is made once per
-        backend and copied (a train step may donate what it is given)."""
-        if backend.label not in self._templates:
-            model = nnx.eval_shape(self.make_flax)
-            nnx.update(model, jax.jit(lambda: nnx.state(self.make_flax(), nnx.Not(nnx.Param)))())
-            self._templates[backend.label] = nnx.split(model)
-        graphdef, state = self._templates[backend.label]
+    def flax_model(self, backend, weights: dict[str, np.ndarray], dtype=None) -> nnx.Module:
+        """A Flax model (``make_flax(dtype)``) holding ``weights``, strictly loaded. Built as
+        ``new_model`` builds one: no parameter drawn, the rest (RNG streams) concrete; that
+        skeleton is made once per backend and dtype and copied (a train step may donate what it
+        is given)."""
+        key = (backend.label, dtype)
+        if key not in self._templates:
+            make = functools.partial(self.make_flax, dtype)
+            model = nnx.eval_shape(make)
+            nnx.update(model, jax.jit(lambda: nnx.state(make(), nnx.Not(nnx.Param)))())
+            self._templates[key] = nnx.split(model)
+        graphdef, state = self._templates[key]
         state = jax.tree.map(lambda x: jnp.copy(x) if isinstance(x, jax.Array) else x, state)
         model = nnx.merge(graphdef, state)
         fa.load_state_dict(model, weights)
@@ -132,14 +151,17 @@ class _GPT(_Runner):
     """The book's ``GPTModel``: chapter 5's loss on ``BATCHES`` batches of ``(2, 16)`` ids."""
 
     optimiser = "adamw"
+    quantizable = True
     BATCHES, BATCH = 4, 2
+    #: Tokens per row (``None``: the context length).
+    TOKENS: int | None = None
     #: One object for every run: part of the optimiser's static structure (jit's cache key).
     ADAMW = optax.adamw(4e-4, weight_decay=0.1)
 
     def __init__(self, case: ModelCase):
         super().__init__()
         self.case, self.cfg = case, dict(case.config)
-        tokens = self.cfg["context_length"]
+        tokens = self.TOKENS or self.cfg["context_length"]
         data = rng(case, "batches").integers(
             0, self.cfg["vocab_size"], (self.BATCHES, self.BATCH, tokens + 1)
         )
@@ -150,8 +172,10 @@ class _GPT(_Runner):
         twin = book_gpt.GPTModel(self.cfg).to(backend.torch_device)
         return twin, self.flax_model(backend, _numpy_state(twin))
 
-    def make_flax(self):
-        return models.GPTModel(self.cfg, rngs=nnx.Rngs(0))
+    def make_flax(self, dtype=None):
+        if dtype is None:
+            return models.GPTModel(self.cfg, rngs=nnx.Rngs(0))
+        return models.GPTModel(self.cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=dtype)
 
     def _torch_batch(self, backend, batch):
         return tuple(torch.from_numpy(a).to(backend.torch_device) for a in batch)
@@ -231,17 +255,20 @@ class _GPT(_Runner):
             actual[name] = _gpt_logits(quantized, ids)
         return reference, actual
 
-    def bfloat16(self, backend):
-        """Per input: float32 torch, torch's model cast to bfloat16, and the Flax model built
-        in bfloat16 holding the same weights."""
+    def bfloat16_models(self, backend):
+        """``(float32 torch, torch in bfloat16, Flax in bfloat16)``, the same weights: torch's
+        model cast to bfloat16, the Flax model built with ``dtype`` and ``param_dtype``."""
         twin, _ = self.pair(backend)
+        model = self.flax_model(backend, _numpy_state(twin), jnp.bfloat16)
+        return twin, copy.deepcopy(twin).to(torch.bfloat16), model
+
+    def bfloat16(self, backend):
+        """Per input: float32 torch, torch's bfloat16 model and the Flax bfloat16 model's
+        logits (``bfloat16_models``)."""
+        twin, twin_bf16, model = self.bfloat16_models(backend)
         twin.eval()
-        weights = _numpy_state(twin)
-        narrow = jnp.bfloat16
-        model = models.GPTModel(self.cfg, rngs=nnx.Rngs(0), dtype=narrow, param_dtype=narrow)
-        fa.load_state_dict(model, weights)
+        twin_bf16.eval()
         model.eval()
-        twin_bf16 = copy.deepcopy(twin).to(torch.bfloat16)
         results = {}
         for name, ids in self._inputs().items():
             x = torch.from_numpy(ids).to(backend.torch_device)
@@ -277,6 +304,83 @@ def _gpt_forward(model, x, y):
 _gpt_loss_and_grads = nnx.jit(nnx.value_and_grad(lambda m, x, y: models.calc_loss_batch(x, y, m)))
 
 
+class _BookLLM(_GPT):
+    """The book's package's ``Qwen3Model`` or ``Llama3Model`` (``llms_from_scratch``, the twin
+    as the book ships it) against ``models.Qwen3Model`` or ``models.Llama3Model``: the GPT's
+    batches (``(2, 16)`` ids), chapter 5's loss and AdamW steps, and bfloat16 rows. No biases
+    (no ``train/key_bias`` row), no int8 form.
+
+    NumPy draws the weights (``weights``): the book's mixture of experts builds its experts on
+    the meta device (nothing drawn), so the model loads them with ``assign=True``."""
+
+    key_biases, quantizable = False, False
+    TOKENS = 16
+    #: The Flax class, by the case's model.
+    MODELS = {"Qwen3Model": models.Qwen3Model, "Llama3Model": models.Llama3Model}
+
+    def __init__(self, case: ModelCase):
+        super().__init__(case)
+        if "rope_freq" in self.cfg:  # a dict, held as pairs in the case
+            self.cfg["rope_freq"] = dict(self.cfg["rope_freq"])
+        self.weights = self._draw_weights()
+
+    def _book(self, dtype) -> torch.nn.Module:
+        """The book's model built from the case's config in ``dtype`` (its own weights). The
+        book's package is imported here, when a case needs it (the report names it when it is
+        missing: ``cli.missing_requirements``)."""
+        if self.case.model == "Qwen3Model":
+            from llms_from_scratch.qwen3 import Qwen3Model as book_model
+        else:
+            from llms_from_scratch.llama3 import Llama3Model as book_model
+        return book_model({**self.cfg, "dtype": dtype})
+
+    def _draw_weights(self) -> dict[str, np.ndarray]:
+        """Float32 weights by the book's names, drawn as torch's initialisers draw them
+        (``nn.Embedding`` N(0, 1), ``nn.Linear`` U(-1/sqrt(fan_in), 1/sqrt(fan_in))), and
+        every norm's scale 1 + 0.3 N(0, 1): away from 1, so a norm read wrongly shows."""
+        generator = rng(self.case, "weights")
+        weights = {}
+        for name, tensor in self._book(torch.float32).state_dict().items():  # meta: shapes
+            shape = tuple(tensor.shape)
+            if "norm" in name:
+                value = 1 + 0.3 * generator.standard_normal(shape)
+            elif name == "tok_emb.weight":
+                value = generator.standard_normal(shape)
+            else:
+                bound = 1 / np.sqrt(shape[-1])
+                value = generator.uniform(-bound, bound, shape)
+            weights[name] = value.astype(np.float32)
+        return weights
+
+    def _book_holding_weights(self, backend, dtype) -> torch.nn.Module:
+        """The book's model in ``dtype`` holding ``weights``, each cast to its parameter's
+        dtype there (in bfloat16, Qwen3's norm scales stay float32, as the book builds them)."""
+        book = self._book(dtype)
+        own = book.state_dict()
+        state = {n: torch.tensor(v, dtype=own[n].dtype) for n, v in self.weights.items()}
+        book.load_state_dict(state, assign=True)  # assign: the experts are on "meta"
+        return book.to(backend.torch_device)
+
+    def pair(self, backend):
+        return (
+            self._book_holding_weights(backend, torch.float32),
+            self.flax_model(backend, self.weights),
+        )
+
+    def make_flax(self, dtype=None):
+        flax_class = self.MODELS[self.case.model]
+        return flax_class({**self.cfg, "dtype": dtype or jnp.float32}, rngs=nnx.Rngs(0))
+
+    def bfloat16_models(self, backend):
+        """Both models built as the book's configs build them in bfloat16 (``cfg["dtype"]``:
+        the parameters, and the computation with them), holding the same weights."""
+        return (
+            self._book_holding_weights(backend, torch.float32),
+            self._book_holding_weights(backend, torch.bfloat16),
+            self.flax_model(backend, self.weights, jnp.bfloat16),
+        )
+
+
 class _Annotated(_Runner):
     """The Annotated Transformer's model: a padded batch (forward, grad), the copy task (train)."""
 
@@ -310,7 +414,7 @@ class _Annotated(_Runner):
         twin = twin.to(backend.torch_device)
         return twin, self.flax_model(backend, _numpy_state(twin))
 
-    def make_flax(self):
+    def make_flax(self, dtype=None):  # float32 only: no dtype rows
         V = self.cfg["V"]
         return annotated.make_model(
             V, V, **self._sizes(), dropout=0.0, attention_dropout=0.0, rngs=nnx.Rngs(0)
@@ -418,7 +522,12 @@ def _annotated_forward_and_loss(model, smoothing, arrays):
 
 _annotated_loss_and_grads = nnx.jit(nnx.value_and_grad(annotated.loss_compute), static_argnums=1)
 
-_MODELS = {"GPTModel": _GPT, "annotated": _Annotated}
+_MODELS = {
+    "GPTModel": _GPT,
+    "annotated": _Annotated,
+    "Qwen3Model": _BookLLM,
+    "Llama3Model": _BookLLM,
+}
 
 
 @functools.cache
@@ -486,7 +595,7 @@ def _run(runner: _Runner, check: str, backend, dtype: str) -> list[Row]:
     row = functools.partial(make_row, case.name, backend, dtype)
     if check == "forward":
         rows = [row("forward", *runner.forward(backend))]
-        if isinstance(runner, _GPT):
+        if runner.quantizable:
             rows.append(row("forward/int8", *runner.int8(backend), "forward"))
         return rows
     if check == "dtype":
@@ -496,6 +605,8 @@ def _run(runner: _Runner, check: str, backend, dtype: str) -> list[Row]:
         finite = all(bool(np.isfinite(to_numpy(g)).all()) for g in actual.values())
         return [row("grad", reference, actual, ok=finite)]
     if check == "train":
-        trained = row(f"train/{runner.optimiser}", *runner.train(backend), "train")
-        return [trained, row("train/key_bias", *_key_bias(runner, backend), "train")]
+        rows = [row(f"train/{runner.optimiser}", *runner.train(backend), "train")]
+        if runner.key_biases:
+            rows.append(row("train/key_bias", *_key_bias(runner, backend), "train"))
+        return rows
     raise ValueError(f"check ({check!r}) must be one of {case.checks} for {case.name}")

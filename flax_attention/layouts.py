@@ -23,6 +23,9 @@ layout          peer                                   keys
                                                        ``h.{i}.…`` (``ModelNames``)
 ``fused_qkv``   the book's combined-QKV variant,       ``qkv.weight`` ``(3·d_out, d_in)``,
                 nanoGPT-style code                     ``qkv.bias``, ``proj.weight``/``.bias``
+``llama``       Hugging Face ``LlamaForCausalLM``,     a whole model's: ``model.layers.{i}.
+                ``Qwen3ForCausalLM``,                  self_attn.q_proj.weight``, ...,
+                ``Qwen3MoeForCausalLM``                ``lm_head.weight`` (``ModelNames``)
 ==============  =====================================  ==========================================
 
 Which class takes which layout, and under which names, is one registry (``register``, ``Names``),
@@ -246,6 +249,11 @@ LAYOUTS: dict[str, Layout] = {
         ),
         buffers=(Buffer("mask", "triu", export=True),),
     ),
+    # A model's names only (``models.qwen3``, ``models.llama3``: ``ModelNames.params``).
+    "llama": Layout(
+        "llama",
+        "Hugging Face LlamaForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM (a whole model)",
+    ),
 }
 
 #: nnx's variable names that torch names otherwise, in any module: name -> (torch's name, the
@@ -273,7 +281,10 @@ class Names(NamedTuple):
     a whole model's names, ``model(module, layout) -> ModelNames`` (renamed parameters, its
     attention layers' prefixes, tied aliases); ``None``: the graph's paths. ``dequantized``:
     ``(weight, scale)`` pairs, a weight held quantized and exported as ``weight * scale`` (one
-    scale per output feature), which a load refuses.
+    scale per output feature), which a load refuses. ``stacked``: ``(variable, pattern,
+    transpose)``, a parameter stacked along its first axis that torch holds as one tensor per
+    index, ``pattern.format(i)`` under the module (a mixture of experts' ``fc1`` ``(E, d, h)``
+    as ``fc1.{i}.weight``, each the transpose of a slice when ``transpose``).
 
     ``from_torch_args``: for a class the documents define (``torch_reference`` has a class of
     the same name), its constructor's positional arguments read from such a torch module,
@@ -303,6 +314,7 @@ class Names(NamedTuple):
     from_torch_args: Callable[[Any, Mapping[str, np.ndarray]], tuple] | None = None
     layout_refusal: Callable[[Any, Layout], str] | None = None
     load_hint: Callable[[Any, list, list, Any], str] | None = None
+    stacked: tuple[tuple[str, str, bool], ...] = ()
 
 
 #: class -> its names, in registration order.
@@ -453,10 +465,16 @@ def _multiheaded_args(module, state) -> tuple:  # MultiHeadedAttention(num_heads
     return module.num_heads, state["proj_weights.0.weight"].shape[1], module.dropout.p
 
 
+#: The layouts whose peers hold one key head per query head.
+_ONE_KEY_HEAD_A_QUERY_HEAD = ("torch_nn", "gpt2", "fused_qkv")
+
+
 def _grouped_refusal(module, layout) -> str:
     """The peers' layouts hold one key head per query head (torch's ``nn.MultiheadAttention``,
     GPT-2's ``c_attn``, the fused ``qkv``): a ``MultiHeadAttention`` with grouped key heads in
     ``module`` has no file in them."""
+    if layout.name not in _ONE_KEY_HEAD_A_QUERY_HEAD:
+        return ""
     for _, node in nnx.iter_graph(module):
         if isinstance(node, MultiHeadAttention) and node.num_kv_heads != node.num_heads:
             return (

@@ -151,10 +151,7 @@ class MultiHeadAttention(decode_cache.CachedLayer, nnx.Module):
         if not jax.sharding.get_abstract_mesh().empty:  # on a mesh: each head on its device
             keys, queries, values = (constrain(y, HEADS) for y in (keys, queries, values))
         if self.rotary is not None:
-            if positions is None:  # from 0, or from the cache's length
-                start = decode_cache.cached_length(self) if decode else 0
-                positions = start + jnp.arange(x.shape[-2])
-            queries, keys = self.rotary(queries, positions), self.rotary(keys, positions)
+            queries, keys = self._rotate(queries, keys, positions, decode)
         context_vec = self._attend(
             queries,
             keys,
@@ -170,6 +167,15 @@ class MultiHeadAttention(decode_cache.CachedLayer, nnx.Module):
         context_vec = context_vec.reshape(*x.shape[:-1], self.d_out)  # (..., t, d_out)
         # out_proj reduces over the heads; on an explicit mesh its result is laid out like x.
         return self.out_proj(context_vec)  # (..., t, d_out)
+
+    def _rotate(self, queries, keys, positions, decode: bool):
+        """``rotary`` applied to the queries and keys ``(..., t, h, d)`` at ``positions``
+        (``None``: from 0, or from the cache's length); a layer that transforms them first
+        (the models' ``q_norm``/``k_norm``) overrides it."""
+        if positions is None:
+            start = decode_cache.cached_length(self) if decode else 0
+            positions = start + jnp.arange(queries.shape[-3])
+        return self.rotary(queries, positions), self.rotary(keys, positions)
 
     #: The heads' causal attention, with the decode cache when given (``causal_attention``); a
     #: layer with another cache overrides it (``MultiHeadAttentionWithSWA``'s ring).

@@ -87,6 +87,7 @@ class _Entry(NamedTuple):
     transpose: bool
     expected: np.ndarray | None  # the buffer's value; None for a parameter
     scale: nnx.Variable | None = None  # an int8 weight's scales (models.quantize), per feature
+    index: int | None = None  # a slice of a stacked variable (Names.stacked): its leading index
 
 
 def _torch_entries(module: nnx.Module) -> dict[str, _Entry]:
@@ -100,12 +101,23 @@ def _torch_entries(module: nnx.Module) -> dict[str, _Entry]:
         if isinstance(node, nnx.Module) and (names := _names(node)) is not None
         for weight, scale in names.dequantized
     }
+    stacked = {  # a stacked variable -> its torch keys' pattern and transpose
+        id(getattr(node, variable)): (pattern, transpose)
+        for _, node in nnx.iter_graph(module)
+        if isinstance(node, nnx.Module) and (names := _names(node)) is not None
+        for variable, pattern, transpose in names.stacked
+    }
     entries: dict[str, _Entry] = {}
     for path, node in nnx.iter_graph(module):
         name = ".".join(str(part) for part in path)
         if isinstance(node, nnx.Module) and (names := _names(node)) is not None:
             for buffer, value in names.buffers:
                 entries[f"{name}.{buffer}" if name else buffer] = _Entry(None, False, value(node))
+        elif isinstance(node, nnx.Param) and id(node) in stacked:  # one key per leading index
+            pattern, transpose = stacked[id(node)]
+            start = name.removesuffix(str(path[-1]))
+            for index in range(node.shape[0]):
+                entries[start + pattern.format(index)] = _Entry(node, transpose, None, None, index)
         elif isinstance(node, (nnx.Param, CheckedBuffer)) or (
             isinstance(node, nnx.Variable) and id(node) in scales
         ):
@@ -119,7 +131,7 @@ def _torch_entries(module: nnx.Module) -> dict[str, _Entry]:
 def _torch_shape(entry: _Entry) -> tuple[int, ...]:
     if entry.variable is None:
         return entry.expected.shape
-    shape = tuple(entry.variable.shape)
+    shape = tuple(entry.variable.shape)[0 if entry.index is None else 1 :]
     return shape[::-1] if entry.transpose else shape
 
 
@@ -348,6 +360,7 @@ def _export(target: _Target, dtype, hosted: dict) -> np.ndarray:
             pieces.append(np.zeros(part.shape, dtype))
         else:
             value = hosted[id(part.entry.variable)]
+            value = value if part.entry.index is None else value[part.entry.index]
             pieces.append(value.T if part.entry.transpose else value)
     value = np.concatenate(pieces, axis=0) if len(pieces) > 1 else pieces[0]
     return value.T if target.transpose else value
@@ -455,10 +468,12 @@ class _Piece:
     per device slice this process holds, so a process of a mesh spread over several reads (a
     file's tensor: from disk) and keeps only its own devices' slices."""
 
-    def __init__(self, source, rows: slice, transpose_key: bool, transpose_part: bool, variable):
-        self.source, self.rows = source, rows
+    def __init__(self, source, rows: slice, transpose_key: bool, transpose_part: bool, variable,
+                 index: int | None = None):  # fmt: skip
+        self.source, self.rows, self.index = source, rows, index
         self.transpose_key, self.transpose_part = transpose_key, transpose_part
-        self.shape, self.dtype = tuple(variable.shape), np.dtype(variable.dtype)
+        self.shape = tuple(variable.shape)[0 if index is None else 1 :]
+        self.dtype = np.dtype(variable.dtype)
 
     def __getitem__(self, index) -> np.ndarray:
         index = index if isinstance(index, tuple) else (index,)
@@ -505,12 +520,51 @@ def _cut_fused(name, target: _Target, value: np.ndarray, updates: list, source=N
             if problem is not None:
                 return problem
             rows = slice(start, start + part.shape[0])
-            variable = part.entry.variable
-            lazy = _Piece(source, rows, target.transpose, part.entry.transpose, variable)
+            variable, index = part.entry.variable, part.entry.index
+            lazy = _Piece(source, rows, target.transpose, part.entry.transpose, variable, index)
             pending.append((variable, lazy))
         start += part.shape[0]
     updates += pending
     return None
+
+
+class _Stacked:
+    """A stacked variable's new value (``Names.stacked``) from the pieces of its slices, read
+    only where it is sliced, as ``_Piece``; a slice no piece gives (a non-strict load) keeps
+    the variable's current value."""
+
+    def __init__(self, variable: nnx.Variable, pieces: dict[int, _Piece]):
+        self.variable, self.pieces = variable, pieces
+        self.shape, self.dtype = tuple(variable.shape), np.dtype(variable.dtype)
+
+    def _slice(self, index: int, rest: tuple) -> np.ndarray:
+        if index in self.pieces:
+            return self.pieces[index][rest]
+        return np.asarray(self.variable.get_value()[index])[rest].astype(self.dtype)
+
+    def __getitem__(self, index) -> np.ndarray:
+        index = index if isinstance(index, tuple) else (index,)
+        index = index + (slice(None),) * (len(self.shape) - len(index))
+        rows = range(self.shape[0])[index[0]]
+        return np.stack([self._slice(i, index[1:]) for i in rows])
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        value = self[(slice(None),) * len(self.shape)]
+        return value if dtype is None else value.astype(dtype)
+
+
+def _stack_updates(updates: list) -> list:
+    """``updates`` with the slices of each stacked variable gathered into one ``_Stacked``."""
+    out, stacks = [], {}
+    for variable, piece in updates:
+        if piece.index is None:
+            out.append((variable, piece))
+        elif id(variable) in stacks:
+            stacks[id(variable)][1].pieces[piece.index] = piece
+        else:
+            stacks[id(variable)] = (variable, _Stacked(variable, {piece.index: piece}))
+            out.append(stacks[id(variable)])
+    return out
 
 
 def _check_alias(name, of, value: np.ndarray, repeated) -> str | None:
@@ -621,6 +675,7 @@ def load_state_dict(
         if unexpected and not hint:
             hint = _other_layout(module, spec, targets, given)
         raise _strict_error(module, spec, prefix, missing, unexpected, problems, hint)
+    updates = _stack_updates(updates)
     placements = [_placement(variable) for variable, _ in updates]
     for (variable, value), sharding in zip(updates, placements, strict=True):
         _assign(variable, value, sharding)  # all checked: written only now

@@ -22,6 +22,7 @@ import re
 import tempfile
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -33,7 +34,7 @@ from flax_attention.core import select_implementation
 from flax_attention.kernels import dropout_hash, native
 from flax_attention.masking import AttentionMask
 from flax_attention.mesh import HEADS, constrain
-from flax_attention.models import GPTModel, annotated, generate
+from flax_attention.models import GPTModel, Qwen3Model, annotated, generate
 
 if jax.device_count() < 8:  # test_sharding.py runs this file with 8 devices
     pytest.skip(
@@ -450,6 +451,40 @@ def test_forward_and_gradients_of_the_gpt_model_equal_one_device(tied, kind):
     assert placed_as(actual["logits"], mesh, P("data")), actual["logits"].sharding
     worst = assert_close(reference, actual, f"GPTModel (tied {tied}) on 2x4 ({kind})")
     print(f"GPTModel (tied {tied}) 2x4 ({kind}): logits, gradients max abs diff {worst:.2e}")
+
+
+#: The book's mixture-of-experts Qwen3, small: 4 experts (2 a token) over the model axis; 8
+#: query heads over 4 key heads, both dividing it.
+QWEN3_MOE_CFG = {
+    "vocab_size": 97, "context_length": 16, "emb_dim": 32, "n_heads": 8, "n_layers": 1,
+    "head_dim": 8, "qk_norm": True, "n_kv_groups": 4, "rope_base": 1e4, "num_experts": 4,
+    "num_experts_per_tok": 2, "moe_intermediate_size": 16, "dtype": jnp.float32,
+}  # fmt: skip
+
+
+def test_forward_and_gradients_of_the_qwen3_moe_model_equal_one_device():
+    """The book's Qwen3 mixture of experts on 2x4 (explicit axes): each device holds one
+    expert of every stacked parameter (``P("model", None, None)``); logits, every gradient and
+    the greedy tokens of a decode (whose steps gather their experts on one device, and run all
+    of them where they are on the mesh) equal one device."""
+    model = Qwen3Model(QWEN3_MOE_CFG, rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(23)
+    ids = rng.integers(0, QWEN3_MOE_CFG["vocab_size"], (B, 8))
+    cotangent = rng.standard_normal((B, 8, QWEN3_MOE_CFG["vocab_size"])).astype(np.float32)
+    reference = gpt_logits_and_grads(nnx.clone(model), ids, cotangent)
+    tokens = np.asarray(generate(model, ids[:, :4], 6, 16))
+    mesh = make_mesh((2, 4), kind="explicit")
+    sharded = fa.shard(nnx.clone(model), mesh)
+    for name in ("fc1", "fc2", "fc3"):
+        value = getattr(sharded.trf_blocks[0].ff, name)[...]
+        assert placed_as(value, mesh, P("model", None, None)), f"{name}: {value.sharding}"
+    with jax.set_mesh(mesh):
+        ids_on_mesh, cotangent_on_mesh = shard_inputs([ids, cotangent], mesh)
+        actual = gpt_logits_and_grads(sharded, ids_on_mesh, cotangent_on_mesh)
+        got = generate(sharded, ids[:, :4], 6, 16)
+    worst = assert_close(reference, actual, "Qwen3 MoE on 2x4 (explicit)")
+    print(f"Qwen3 MoE 2x4 (explicit): logits, gradients max abs diff {worst:.2e}")
+    np.testing.assert_array_equal(np.asarray(got), tokens)
 
 
 @pytest.mark.parametrize("kind", AXIS_TYPES)

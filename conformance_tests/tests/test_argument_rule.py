@@ -1,8 +1,8 @@
 """The argument rule, held for every public name (issue 31 items 5 and 8; docs/errors.md).
 
 Each public function and class of ``flax_attention``, ``flax_attention.models``,
-``flax_attention.mesh``, ``flax_attention.sharding`` and
-``flax_attention.launch`` (their ``__all__``) has a row in ``TABLE``: a valid call's
+``flax_attention.mesh``, ``flax_attention.sharding``, ``flax_attention.launch`` and
+``conformance_tests`` (their ``__all__``) has a row in ``TABLE``: a valid call's
 arguments, the argument to break, a value of the wrong type and a value of the right type that
 breaks the rule. The wrong type must raise
 ``TypeError`` and the wrong value ``ValueError``, each naming the argument, as
@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import conformance_tests as ct
 import flax_attention as fa
 import flax_attention.launch as fa_launch
 import flax_attention.mesh as fa_mesh
@@ -70,6 +71,18 @@ def _mesh():
     return jax.make_mesh((1, 1), ("data", "model"), devices=jax.devices()[:1])
 
 
+def _divergence_pair():
+    """A torch Linear and a Flax one, for ``find_divergence`` (every bad argument is refused
+    before either runs)."""
+    import torch
+
+    return {
+        "torch_model": torch.nn.Linear(2, 2),
+        "flax_model": nnx.Linear(2, 2, rngs=_rngs()),
+        "inputs": [np.ones((1, 2), np.float32)],
+    }
+
+
 def _optimizer(model):
     import optax
 
@@ -90,6 +103,14 @@ class Row:
     wrong_value: object
     named: str | None = None
     package: str = ""
+
+
+QWEN = {"vocab_size": 11, "context_length": 8, "emb_dim": 8, "n_heads": 2, "n_layers": 1,
+        "hidden_dim": 8, "head_dim": 4, "qk_norm": True, "n_kv_groups": 1, "rope_base": 1e4,
+        "dtype": jnp.float32}  # fmt: skip
+LLAMA = {"vocab_size": 11, "context_length": 8, "emb_dim": 8, "n_heads": 2, "n_layers": 1,
+         "hidden_dim": 8, "n_kv_groups": 1, "rope_base": 1e4, "rope_freq": None,
+         "dtype": jnp.float32}  # fmt: skip
 
 
 def _layer(cls, **args):
@@ -315,6 +336,15 @@ _ROWS = [
     Row("FeedForward", fam.FeedForward, _layer(0, cfg=CFG), "cfg", [1], {**CFG, "emb_dim": 0}),
     Row("GPTModel", fam.GPTModel, _layer(0, cfg=CFG), "cfg", "gpt2", {**CFG, "n_heads": 3}),
     Row("LayerNorm", fam.LayerNorm, lambda: {"emb_dim": 8}, "emb_dim", 8.0, 0),
+    Row(
+        "Llama3Model",
+        fam.Llama3Model,
+        _layer(0, cfg=LLAMA),
+        "cfg",
+        "llama",
+        {**LLAMA, "n_heads": 3},
+    ),
+    Row("Qwen3Model", fam.Qwen3Model, _layer(0, cfg=QWEN), "cfg", [1], {**QWEN, "n_kv_groups": 3}),
     Row(
         "TransformerBlock",
         fam.TransformerBlock,
@@ -545,6 +575,16 @@ _ROWS = [
         "true",
         NONE,  # a command line: argparse exits 2 with the usage (test_multiprocess holds it)
     ),
+    "conformance_tests",
+    Row("find_divergence", ct.find_divergence, _divergence_pair, "layout", 3, "nope"),
+    Row(
+        "assert_no_divergence",
+        ct.assert_no_divergence,
+        _divergence_pair,
+        "names",
+        ["weight"],
+        {"nope": ""},
+    ),
 ]
 
 
@@ -581,6 +621,8 @@ EXEMPT = {
     ("flax_attention", "ProjectedKV"): "a NamedTuple of two arrays project_kv returns",
     ("flax_attention", "IncompatibleKeys"): "a NamedTuple of key lists load_state_dict returns",
     ("flax_attention.launch", "Launch"): "a dataclass of the results launch returns",
+    ("conformance_tests", "DivergenceReport"): "a dataclass find_divergence returns",
+    ("conformance_tests", "DivergenceRow"): "a dataclass of DivergenceReport's rows",
     # no arguments
     ("flax_attention.models", "GELU"): "a module with no arguments (the book's GELU())",
     # modules: their own public names are held where their chapters' tests are
@@ -588,6 +630,8 @@ EXEMPT = {
     ("flax_attention.models", "classify"): "a module (chapter 6)",
     ("flax_attention.models", "instruct"): "a module (chapter 7)",
     ("flax_attention.models", "lora"): "a module (appendix E)",
+    ("flax_attention.models", "llama3"): "a module (the book's package's Llama 3)",
+    ("flax_attention.models", "qwen3"): "a module (the book's package's Qwen3)",
 }
 
 PACKAGES = {
@@ -596,6 +640,7 @@ PACKAGES = {
     "flax_attention.mesh": fa_mesh,
     "flax_attention.sharding": fa_sharding,
     "flax_attention.launch": fa_launch,
+    "conformance_tests": ct,
 }
 
 

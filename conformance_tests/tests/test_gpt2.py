@@ -513,8 +513,8 @@ def test_bad_generate_and_forward_inputs_are_rejected(model, prompts):
          lambda: generate(model, prompts, 4, CONTEXT, temperature=1.0)),
         ("config activation_function ('relu') must be one of",
          lambda: config_from_hf({"activation_function": "relu"})),
-        ("config model_type ('llama') must be one of ('gpt2',)",
-         lambda: config_from_hf({"model_type": "llama", "hidden_size": 64})),
+        ("config model_type ('bert') must be one of ('gpt2', 'llama', 'qwen3', 'qwen3_moe')",
+         lambda: config_from_hf({"model_type": "bert", "hidden_size": 64})),
     ]  # fmt: skip
     for message, call in cases:
         with pytest.raises(ValueError) as raised:

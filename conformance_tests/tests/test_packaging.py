@@ -101,10 +101,16 @@ def test_the_reference_report_and_tests_need_only_their_extras():
     report = DEPENDENCIES | _extra("report")
     assert {"torch", "matplotlib"} <= _extra("report")
     imported = _imports(_files("conformance_tests")) | _imports(_files("benchmarks"))
+    # the book's package: installed with --no-deps (its pins pull tensorflow), by .ci/run, and
+    # named by the report when a case needs it (cli.BOOK_INSTALL); what it imports, the extra has
+    assert imported.pop("llms_from_scratch") == {"whole_models.py"}
+    assert "pip install --quiet --no-deps llms-from-scratch" in (ROOT / ".ci" / "run").read_text()
+    assert "tiktoken" in _extra("report")
     assert set(imported) <= report, f"undeclared for the report: {set(imported) - report}"
     dev = report | _extra("dev")
     tests = _files("conformance_tests", tests=True) + _files("benchmarks", tests=True)
     imported = _imports(tests + _files("examples"))
+    imported.pop("llms_from_scratch")
     assert set(imported) <= dev, f"undeclared for the tests: {set(imported) - dev}"
     assert {"pytest", "pytest-xdist", "hypothesis", "ruff", "transformers", "tokenizers"} <= dev
 
@@ -170,6 +176,25 @@ def test_the_report_without_torch_says_what_to_install(monkeypatch, capsys):
     assert lines[1].split("#")[0].strip() == "pip install torch==2.13.0", message
     assert lines[2].split("#")[0].strip() == "pip install 'flax-attention[report]'", message
     assert "pip install -e '.[report]'" in lines[2], message
+
+
+@pytest.mark.quick
+def test_the_report_without_the_books_package_says_so_only_for_its_cases(monkeypatch, capsys):
+    """The Qwen3 and Llama 3 cases' torch side is the book's package, installed without its
+    pins: a run selecting them names it and the README's install line, before anything runs;
+    the other cases run without it."""
+    monkeypatch.setitem(sys.modules, "llms_from_scratch", None)
+    assert cli.missing_requirements() is None
+    assert cli.missing_requirements(book=cli._needs_book("doc_*")) is None
+    for pattern in (None, "model_*", "model_llama3_book"):
+        assert cli._needs_book(pattern), pattern
+    assert cli.main(["--cases", "model_qwen3*"]) == 2
+    message = capsys.readouterr().err
+    assert message.startswith("python -m conformance_tests needs llms_from_scratch, which is not")
+    assert "the book's package for the Qwen3 and Llama 3 cases" in message
+    assert message.splitlines()[1].strip() == "pip install --no-deps llms-from-scratch==1.0.19"
+    readme = (ROOT / "README.md").read_text()
+    assert cli.BOOK_INSTALL.strip() in readme, "the README's install line"
 
 
 @pytest.mark.quick

@@ -74,10 +74,13 @@ def test_ci_runs_the_readme_commands():
     assert 'pip install torch==2.13.0 && pip install -e ".[dev]"' in report
     assert "python -m pip install --quiet torch==2.13.0" in ci.splitlines()
     assert 'python -m pip install --quiet -e ".[dev]"' in ci.splitlines()
-    install = ci.index("torch==2.13.0"), ci.index('-e ".[dev]"'), ci.index(test_command)
-    assert list(install) == sorted(install), "CI must install torch, then the project, then test"
+    book = "pip install --no-deps llms-from-scratch==1.0.19"  # the book's package, its pins off
+    assert f"python -m {book.replace('install', 'install --quiet')}" in ci.splitlines()
+    install = ci.index("torch==2.13.0"), ci.index('-e ".[dev]"'), ci.index(book.split()[-1])
+    install += (ci.index(test_command),)
+    assert list(install) == sorted(install), "CI must install torch, the project, then test"
     # the development install of "Install" is the report command without its last step
-    (develop,) = [c for c in commands if c.endswith('pip install -e ".[dev]"')]
+    (develop,) = [c for c in commands if c.endswith(book)]
     assert report == develop + " && python -m conformance_tests"
 
 

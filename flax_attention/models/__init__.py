@@ -16,13 +16,16 @@ Hugging Face's GPT-2), its checkpoints, generation and training.
 - ``lora``: appendix E's LoRA (``LoRALayer``, ``LinearWithLoRA``, ``replace_linear_with_lora``,
   ``merge_lora``).
 - ``quantize(model, "int8")``: a copy with int8 weights for inference (``quantized``).
+- ``qwen3``, ``llama3``: the book's package's next models, ``Qwen3Model(cfg)`` (dense or a
+  mixture of experts) and ``Llama3Model(cfg)``, its config dicts and names, Hugging Face
+  directories through ``from_pretrained``/``save_pretrained`` (their shared pieces: ``decoder``).
 - ``annotated``: the Annotated Transformer's encoder-decoder (``make_model``, its modules, masks,
   label smoothing, the learning-rate schedule, training and batched ``greedy_decode``).
 
 Nothing here imports torch (``read_pth`` does, when called).
 """
 
-from flax_attention.models import annotated, classify, instruct, lora
+from flax_attention.models import annotated, classify, instruct, llama3, lora, qwen3
 from flax_attention.models.checkpoints import read_pth
 from flax_attention.models.generation import generate, generate_text_simple
 from flax_attention.models.gpt import (
@@ -34,7 +37,9 @@ from flax_attention.models.gpt import (
     LayerNorm,
     TransformerBlock,
 )
+from flax_attention.models.llama3 import Llama3Model
 from flax_attention.models.quantized import quantize
+from flax_attention.models.qwen3 import Qwen3Model
 from flax_attention.models.training import (
     calc_loss_batch,
     calc_loss_loader,
@@ -52,11 +57,15 @@ __all__ = [
     "FeedForward",
     "GPTModel",
     "LayerNorm",
+    "Llama3Model",
+    "Qwen3Model",
     "TransformerBlock",
     "annotated",
     "classify",
     "instruct",
+    "llama3",
     "lora",
+    "qwen3",
     "quantize",
     "read_pth",
     "generate",

@@ -232,7 +232,9 @@ def _check_directory(path) -> None:
 
 
 def load_pretrained(cls, path: str | os.PathLike, *, seed: int = 0, mesh=None, **options):
-    """A ``cls`` (``GPTModel``, in eval mode) from a Hugging Face GPT-2 checkpoint directory.
+    """A ``cls`` (``GPTModel``, in eval mode) from a Hugging Face GPT-2 checkpoint directory
+    (``Qwen3Model``, ``Llama3Model``: theirs; ``cls.HF_MODEL_TYPES`` the ``model_type`` values
+    it takes, ``cls.HF_LAYOUT`` the weight bridge's layout of their names).
 
     ``options``: ``GPTModel``'s keyword options (``dtype``, ``param_dtype``, ``precision``,
     ``implementation``); ``seed`` seeds the dropout streams. Every tensor is checked by name,
@@ -257,6 +259,12 @@ def load_pretrained(cls, path: str | os.PathLike, *, seed: int = 0, mesh=None, *
         hf = json.loads((directory / "config.json").read_text())
     except ValueError as error:
         raise ValueError(f"config.json in {str(directory)!r} must be JSON ({error})") from error
+    model_type = hf.get("model_type", "gpt2") if isinstance(hf, Mapping) else None
+    if model_type not in cls.HF_MODEL_TYPES:
+        raise ValueError(
+            f"checkpoint ({str(directory)!r}) config model_type ({model_type!r}) must be one of "
+            f"{cls.HF_MODEL_TYPES} for {cls.__name__}"
+        )
     cfg = config_from_hf(hf)
     files = _weight_files(directory)
     model = new_model(cls, cfg, seed=seed, **options)
@@ -264,7 +272,7 @@ def load_pretrained(cls, path: str | os.PathLike, *, seed: int = 0, mesh=None, *
         shard(model, mesh)  # the abstract parameters learn where they go
     try:  # the shards' tensors, read when checked, then by the slices this process places
         with open_safetensors(files) as tensors:
-            load_state_dict(model, tensors, layout="gpt2")
+            load_state_dict(model, tensors, layout=cls.HF_LAYOUT)
     except SafetensorError as error:
         raise ValueError(f"checkpoint ({str(directory)!r}): unreadable file ({error})") from error
     except ValueError as error:
@@ -278,11 +286,11 @@ def save_pretrained(model, path: str | os.PathLike) -> None:
     prefixed; a tied head's ``lm_head.weight`` left out, as transformers writes it)."""
     directory = pathlib.Path(path)
     directory.mkdir(parents=True, exist_ok=True)
-    tensors = state_dict(model, layout="gpt2")
+    tensors = state_dict(model, layout=model.HF_LAYOUT)
     if model.cfg["tie_word_embeddings"]:
         tensors.pop("lm_head.weight")
     write_safetensors(tensors, directory / "model.safetensors", metadata={"format": "pt"})
-    (directory / "config.json").write_text(json.dumps(config_to_hf(model.cfg), indent=2) + "\n")
+    (directory / "config.json").write_text(json.dumps(model.hf_config(), indent=2) + "\n")
 
 
 #: What ``read_pth`` reads, as its messages say it.

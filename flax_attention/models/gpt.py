@@ -64,6 +64,7 @@ from flax_attention.multihead import MultiHeadAttention
 __all__ = [
     "CONFIG_KEYS",
     "Config",
+    "DecoderModel",
     "GPT_CONFIG_124M",
     "GELU",
     "FeedForward",
@@ -100,6 +101,15 @@ VARIANT_KEYS = ("n_kv_groups", "latent_dim", "sliding_window_size", "sliding_win
 _REPLICATED = LinearAxes(kernel=(None, None), bias=(None,))
 
 
+def _frozen(value):
+    """``value`` with its mappings and lists made tuples: hashable (Llama 3's ``rope_freq``)."""
+    if isinstance(value, Mapping):
+        return tuple((key, _frozen(item)) for key, item in value.items())
+    if isinstance(value, list | tuple):
+        return tuple(_frozen(item) for item in value)
+    return value
+
+
 class Config(Mapping):
     """The model's ``cfg``, read-only and hashable (part of the model's static structure, so
     ``jit`` can key its compilations on it); ``dict(model.cfg)`` gives the book's dict."""
@@ -119,7 +129,7 @@ class Config(Mapping):
         return len(self._items)
 
     def __hash__(self):
-        return hash(tuple(self._items.items()))
+        return hash(_frozen(self._items))
 
     def __eq__(self, other):
         return isinstance(other, Mapping) and dict(self) == dict(other)
@@ -261,7 +271,28 @@ class FeedForward(nnx.Module):
         return self.layers[2](hidden)  # (b, t, d)
 
 
-class TransformerBlock(nnx.Module):
+class BlockCache:
+    """A block's decode cache is its attention's (``att``): what a model asks its blocks
+    (``TransformerBlock`` here, ``models.decoder.TransformerBlock``)."""
+
+    def init_cache(self, batch_size, max_length: int | None = None, dtype=None) -> None:
+        """An empty decode cache in the attention (``MultiHeadAttention.init_cache``)."""
+        self.att.init_cache(batch_size, max_length, dtype)
+
+    def clear_cache(self) -> None:
+        """Drop the attention's decode cache."""
+        self.att.clear_cache()
+
+    def cached_length(self) -> jax.Array:
+        """Tokens in the decode cache, the next one's position (int32; traced inside jit)."""
+        return self.att.cached_length()
+
+    def cache_capacity(self) -> int | None:
+        """The decode cache's ``max_length``; ``None`` without a cache."""
+        return self.att.cache_capacity()
+
+
+class TransformerBlock(BlockCache, nnx.Module):
     """The book's ``TransformerBlock``: ``x + drop_resid(att(norm1(x)))``, then
     ``x + drop_resid(ff(norm2(x)))``.
 
@@ -303,22 +334,6 @@ class TransformerBlock(nnx.Module):
         self.norm2 = LayerNorm(cfg["emb_dim"], **options.norm())
         self.drop_resid = Dropout(cfg["drop_rate"], rngs=rngs)
 
-    def init_cache(self, batch_size, max_length: int | None = None, dtype=None) -> None:
-        """An empty decode cache in the attention (``MultiHeadAttention.init_cache``)."""
-        self.att.init_cache(batch_size, max_length, dtype)
-
-    def clear_cache(self) -> None:
-        """Drop the attention's decode cache."""
-        self.att.clear_cache()
-
-    def cached_length(self) -> jax.Array:
-        """Tokens in the decode cache, the next one's position (int32; traced inside jit)."""
-        return self.att.cached_length()
-
-    def cache_capacity(self) -> int | None:
-        """The decode cache's ``max_length``; ``None`` without a cache."""
-        return self.att.cache_capacity()
-
     def __call__(self, x, *, decode: bool = False, mask=None):
         shortcut = x
         x = self.att._forward(self.norm1(x), decode=decode, mask=mask)  # (b, t, d)
@@ -328,7 +343,52 @@ class TransformerBlock(nnx.Module):
         return self.drop_resid(x) + shortcut
 
 
-class GPTModel(nnx.Module):
+class DecoderModel(nnx.Module):
+    """What the book's decoder-only models share beyond their blocks (``GPTModel``,
+    ``models.qwen3.Qwen3Model``, ``models.llama3.Llama3Model``): ``tok_emb``, ``trf_blocks``
+    (each with ``init_cache``, ``clear_cache``, ``cached_length``, ``cache_capacity``),
+    ``out_head`` (``None``: tied to ``tok_emb``) and ``precision``; the decode caches, left
+    padding's positions and the head (``generation.CausalLM``)."""
+
+    # ---- decoding ------------------------------------------------------------------------------
+
+    def init_cache(self, batch_size: int, max_length: int | None = None, dtype=None) -> None:
+        """An empty decode cache of ``max_length`` tokens (default ``context_length``) in every
+        block (``TransformerBlock.init_cache``: its attention's)."""
+        for block in self.trf_blocks:
+            block.init_cache(batch_size, max_length, dtype)
+
+    def clear_cache(self) -> None:
+        """Drop the decode caches (back to the state of a new model)."""
+        for block in self.trf_blocks:
+            block.clear_cache()
+
+    def _padding(self, attention_mask, in_idx, offset, decode):
+        """Positions ``(b, t)`` counted from each row's first token (transformers'
+        ``cumsum(mask) - 1``, padding at 0) and the key mask ``(b, 1, 1, s)``."""
+        batch, seq_len = in_idx.shape
+        slots = self.trf_blocks[0].cache_capacity() if decode else seq_len
+        if attention_mask.shape != (batch, slots):
+            where = "the cache's max_length" if decode else "in_idx's tokens"
+            raise ValueError(
+                f"attention_mask.shape ({tuple(attention_mask.shape)}) must be (batch, {where}) "
+                f"({(batch, slots)})"
+            )
+        return padded_positions(attention_mask, offset, seq_len)
+
+    def logits(self, x):
+        """The head: ``x`` ``(..., d)`` -> ``(..., V)``; tied, it contracts ``tok_emb``'s
+        ``(V, d)`` matrix as stored."""
+        if self.out_head is None:
+            if hasattr(self.tok_emb, "attend") and not isinstance(self.tok_emb, nnx.Embed):
+                return self.tok_emb.attend(x)  # an int8 embedding (models.quantize)
+            embedding = self.tok_emb.embedding[...].astype(x.dtype)  # (V, d)
+            contract = (((x.ndim - 1,), (1,)), ((), ()))
+            return rows_dot_general(x, embedding, contract, precision=self.precision)
+        return self.out_head(x)
+
+
+class GPTModel(DecoderModel):
     """The book's ``GPTModel``: token ids ``in_idx`` ``(b, t)`` -> logits ``(b, t, V)``.
 
     Args:
@@ -345,6 +405,10 @@ class GPTModel(nnx.Module):
     through ``flax_attention.load_state_dict``/``state_dict``, Hugging Face GPT-2 through
     ``from_pretrained``/``save_pretrained`` (``flax_attention.models.checkpoints``).
     """
+
+    #: Hugging Face ``model_type``s ``from_pretrained`` reads, in the weight bridge's layout.
+    HF_MODEL_TYPES = ("gpt2",)
+    HF_LAYOUT = "gpt2"
 
     def __init__(
         self,
@@ -385,19 +449,6 @@ class GPTModel(nnx.Module):
                 cfg["emb_dim"], cfg["vocab_size"], use_bias=False, axes=_REPLICATED
             )
 
-    # ---- decoding ------------------------------------------------------------------------------
-
-    def init_cache(self, batch_size: int, max_length: int | None = None, dtype=None) -> None:
-        """An empty decode cache of ``max_length`` tokens (default ``context_length``) in every
-        block (``TransformerBlock.init_cache``: its attention's)."""
-        for block in self.trf_blocks:
-            block.init_cache(batch_size, max_length, dtype)
-
-    def clear_cache(self) -> None:
-        """Drop the decode caches (back to the state of a new model)."""
-        for block in self.trf_blocks:
-            block.clear_cache()
-
     # ---- the forward pass ------------------------------------------------------------------------
 
     def hidden_states(self, in_idx, *, decode: bool = False, attention_mask=None):
@@ -423,30 +474,6 @@ class GPTModel(nnx.Module):
         for block in self.trf_blocks:
             x = block(x, decode=decode, mask=key_mask)  # (b, t, d)
         return self.final_norm(x)
-
-    def _padding(self, attention_mask, in_idx, offset, decode):
-        """Positions ``(b, t)`` counted from each row's first token (transformers'
-        ``cumsum(mask) - 1``, padding at 0) and the key mask ``(b, 1, 1, s)``."""
-        batch, seq_len = in_idx.shape
-        slots = self.trf_blocks[0].cache_capacity() if decode else seq_len
-        if attention_mask.shape != (batch, slots):
-            where = "the cache's max_length" if decode else "in_idx's tokens"
-            raise ValueError(
-                f"attention_mask.shape ({tuple(attention_mask.shape)}) must be (batch, {where}) "
-                f"({(batch, slots)})"
-            )
-        return padded_positions(attention_mask, offset, seq_len)
-
-    def logits(self, x):
-        """The head: ``x`` ``(..., d)`` -> ``(..., V)``; tied, it contracts ``tok_emb``'s
-        ``(V, d)`` matrix as stored."""
-        if self.out_head is None:
-            if hasattr(self.tok_emb, "attend") and not isinstance(self.tok_emb, nnx.Embed):
-                return self.tok_emb.attend(x)  # an int8 embedding (models.quantize)
-            embedding = self.tok_emb.embedding[...].astype(x.dtype)  # (V, d)
-            contract = (((x.ndim - 1,), (1,)), ((), ()))
-            return rows_dot_general(x, embedding, contract, precision=self.precision)
-        return self.out_head(x)
 
     def __call__(self, in_idx, *, decode: bool = False, attention_mask=None):
         """Logits ``(b, t, V)`` of ``in_idx`` ``(b, t)`` (ints below ``vocab_size``).
@@ -479,6 +506,10 @@ class GPTModel(nnx.Module):
         """Write a checkpoint directory ``transformers.GPT2LMHeadModel.from_pretrained`` loads
         (``flax_attention.models.checkpoints.save_pretrained``)."""
         checkpoints.save_pretrained(self, path)
+
+    def hf_config(self) -> dict:
+        """The ``config.json`` ``save_pretrained`` writes (``checkpoints.config_to_hf``)."""
+        return checkpoints.config_to_hf(self.cfg)
 
 
 def describe_head(out_head) -> str:

@@ -1,8 +1,9 @@
 """Int8 weights for inference: ``quantize(model, "int8")``.
 
-``quantize`` returns a copy of a ``GPTModel`` whose ``nnx.Linear`` layers (the attention
-projections, the MLP, an untied head) are ``Int8Linear`` and whose token embedding, when the
-head is tied to it, is ``Int8Embed``: each weight matrix held as int8 with one float32 scale per
+``quantize`` returns a copy of a ``GPTModel`` (or ``Qwen3Model``, ``Llama3Model``) whose
+``nnx.Linear`` layers (the attention projections, the MLP, an untied head) are ``Int8Linear``
+and whose token embedding, when the head is tied to it, is ``Int8Embed`` (a mixture of experts'
+stacked experts stay as they are): each weight matrix held as int8 with one float32 scale per
 output feature (symmetric: ``scale = max|w| / 127`` over that feature's weights, ``q =
 round(w / scale)``; a feature of zeros gets scale 1). Activations, biases, norms, the positional
 embedding and the decode caches keep the model's dtypes; every product accumulates in float32.
@@ -157,12 +158,13 @@ def _replace_linears(node) -> None:
 
 
 def quantize(model, scheme: str = "int8"):
-    """A copy of ``model`` (a ``GPTModel``) with int8 weights (see the module's text); ``model``
-    is left as it is."""
-    from flax_attention.models.gpt import GPTModel
+    """A copy of ``model`` (a ``GPTModel``, ``Qwen3Model`` or ``Llama3Model``) with int8 weights
+    (see the module's text); ``model`` is left as it is."""
+    from flax_attention.models.gpt import DecoderModel
 
     check_choice("scheme", scheme, SCHEMES, "int8 weights")
-    check_instance("model", model, GPTModel, "a flax_attention.models.GPTModel")
+    expected = "a flax_attention.models.GPTModel, Qwen3Model or Llama3Model"
+    check_instance("model", model, DecoderModel, expected)
     if any(isinstance(node, (Int8Linear, Int8Embed)) for _, node in nnx.iter_graph(model)):
         raise ValueError("model is already quantized (it holds Int8Linear layers)")
     quantized = nnx.clone(model)
