@@ -133,23 +133,6 @@ class Dropout(nnx.Dropout):
         return jax.lax.select(keep, inputs / keep_prob, jnp.zeros_like(inputs))
 
 
-def _xla_dot(lhs, rhs, dimension_numbers, precision, options):
-    """XLA's product. Two bfloat16 operands ask for a float32 result, rounded to bfloat16 after:
-    XLA's CPU compiler otherwise widens both operands to float32 copies in memory and runs a
-    float32 product, where with a float32 result it runs a bfloat16 product accumulating in
-    float32 (AVX512_BF16), about twice as fast on a prefill's products (docs/performance.md,
-    "Qwen3-0.6B on CPU"). Either way the sums are float32 and rounded once."""
-    if (
-        jnp.dtype(lhs.dtype) == jnp.bfloat16
-        and jnp.dtype(rhs.dtype) == jnp.bfloat16
-        and options.get("preferred_element_type") is None
-    ):
-        options = {**options, "preferred_element_type": jnp.float32}
-        out = jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision, **options)
-        return out.astype(jnp.bfloat16)
-    return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision, **options)
-
-
 def rows_dot_general(lhs, rhs, dimension_numbers, precision=None, **options):
     """``jax.lax.dot_general`` for ``nnx.Linear`` and the tied head: ``x (..., d_in) @ kernel
     (d_in, d_out)`` (or ``@ table.T`` for a ``(d_out, d_in)`` table) as one ``(rows, d_in)``
@@ -186,17 +169,29 @@ def rows_dot_general(lhs, rhs, dimension_numbers, precision=None, **options):
         and (no_mesh or not any(spec_of(lhs)))
     )
     narrow = plain and jnp.dtype(rhs.dtype) in _NARROW_DTYPES  # else XLA's, as every float32
-    rows_count = math.prod(lhs.shape[:-1])
-    if not plain or (lhs.ndim == 2 and not (narrow and narrow_product_ok(rows_count, rhs))):
-        return _xla_dot(lhs, rhs, dimension_numbers, precision, options)
-    options.pop("out_sharding", None)
-    rows = lhs.reshape(-1, lhs.shape[-1])  # (rows, d_in)
-    if narrow and narrow_product_ok(rows_count, rhs):
+    if narrow and narrow_product_ok(math.prod(lhs.shape[:-1]), rhs):
+        rows = lhs.reshape(-1, lhs.shape[-1])  # (rows, d_in)
         dtype = options.get("preferred_element_type") or jnp.result_type(lhs, rhs)
         out = _narrow(rows, rhs, tuple(rhs_contracting) == (1,)).astype(dtype)  # (rows, d_out)
-    else:
-        out = _xla_dot(rows, rhs, (((1,), rhs_contracting), ((), ())), precision, options)
-    return out.reshape(*lhs.shape[:-1], out.shape[-1])  # (..., d_out)
+        return out.reshape(*lhs.shape[:-1], out.shape[-1])  # (..., d_out)
+    operand, numbers = lhs, dimension_numbers
+    if plain and lhs.ndim > 2:  # (rows, d_in)
+        operand, numbers = lhs.reshape(-1, lhs.shape[-1]), (((1,), rhs_contracting), ((), ()))
+    # XLA's product. Two bfloat16 operands ask for a float32 result, rounded to bfloat16 after:
+    # XLA's CPU compiler otherwise widens both operands to float32 copies in memory and runs a
+    # float32 product, where with a float32 result it runs a bfloat16 product accumulating in
+    # float32 (AVX512_BF16), about twice as fast on a prefill's products (docs/performance.md,
+    # "Qwen3-0.6B on CPU"). Either way the sums are float32 and rounded once.
+    widened = (
+        jnp.dtype(lhs.dtype) == jnp.bfloat16
+        and jnp.dtype(rhs.dtype) == jnp.bfloat16
+        and options.get("preferred_element_type") is None
+    )
+    if widened:
+        options = {**options, "preferred_element_type": jnp.float32}
+    out = jax.lax.dot_general(operand, rhs, numbers, precision=precision, **options)
+    out = out.astype(jnp.bfloat16) if widened else out
+    return out if operand is lhs else out.reshape(*lhs.shape[:-1], out.shape[-1])
 
 
 def linear_factory(*, dtype, param_dtype, precision, rngs: nnx.Rngs):

@@ -44,7 +44,6 @@ import numpy as np
 from flax import nnx
 
 from flax_attention._checks import check_bool, check_positive_int
-from flax_attention._inputs import check_model_inputs
 from flax_attention._layers import Embed, LayerOptions
 from flax_attention.causal import init_causal_layer
 from flax_attention.core import Implementation
@@ -359,19 +358,7 @@ class RotaryDecoder(DecoderModel):
 
     def hidden_states(self, in_idx, *, decode: bool = False, attention_mask=None):
         """``in_idx`` ``(b, t)`` -> the final norm's output ``(b, t, d)``."""
-        if jnp.ndim(in_idx) != 2:
-            raise ValueError(
-                f"in_idx.ndim ({jnp.ndim(in_idx)}, shape {jnp.shape(in_idx)}) must be 2 (b, t)"
-            )
-        check_model_inputs(
-            in_idx, attention_mask, self.cfg["vocab_size"], self.cfg["context_length"]
-        )
-        seq_len = in_idx.shape[-1]
-        offset = self.trf_blocks[0].cached_length() if decode else 0
-        if attention_mask is None:
-            positions, key_mask = offset + jnp.arange(seq_len), None  # (t,)
-        else:
-            positions, key_mask = self._padding(attention_mask, in_idx, offset, decode)
+        positions, key_mask = self._positions(in_idx, decode, attention_mask)
         x = self.tok_emb(in_idx)  # (b, t, d)
         for block in self.trf_blocks:
             x = block(x, decode=decode, mask=key_mask, positions=positions)  # (b, t, d)

@@ -363,10 +363,22 @@ class DecoderModel(nnx.Module):
         for block in self.trf_blocks:
             block.clear_cache()
 
-    def _padding(self, attention_mask, in_idx, offset, decode):
-        """Positions ``(b, t)`` counted from each row's first token (transformers'
-        ``cumsum(mask) - 1``, padding at 0) and the key mask ``(b, 1, 1, s)``."""
+    def _positions(self, in_idx, decode: bool, attention_mask):
+        """The model's door: ``in_idx`` ``(b, t)`` and ``attention_mask`` checked, then the
+        tokens' positions (``(1, t)`` from 0 or the caches' length; with left padding ``(b, t)``
+        counted from each row's first token, transformers' ``cumsum(mask) - 1``, padding at 0)
+        and the key mask (``None``, or ``(b, 1, 1, s)`` hiding the padding)."""
+        if jnp.ndim(in_idx) != 2:
+            raise ValueError(
+                f"in_idx.ndim ({jnp.ndim(in_idx)}, shape {jnp.shape(in_idx)}) must be 2 (b, t)"
+            )
+        check_model_inputs(
+            in_idx, attention_mask, self.cfg["vocab_size"], self.cfg["context_length"]
+        )
         batch, seq_len = in_idx.shape
+        offset = self.trf_blocks[0].cached_length() if decode else 0
+        if attention_mask is None:
+            return (offset + jnp.arange(seq_len))[None], None  # (1, t)
         slots = self.trf_blocks[0].cache_capacity() if decode else seq_len
         if attention_mask.shape != (batch, slots):
             where = "the cache's max_length" if decode else "in_idx's tokens"
@@ -454,20 +466,7 @@ class GPTModel(DecoderModel):
     def hidden_states(self, in_idx, *, decode: bool = False, attention_mask=None):
         """``in_idx`` ``(b, t)`` -> the final norm's output ``(b, t, d)`` (``__call__`` without
         the head)."""
-        if jnp.ndim(in_idx) != 2:
-            raise ValueError(
-                f"in_idx.ndim ({jnp.ndim(in_idx)}, shape {jnp.shape(in_idx)}) must be 2 (b, t)"
-            )
-        check_model_inputs(
-            in_idx, attention_mask, self.cfg["vocab_size"], self.cfg["context_length"]
-        )
-        seq_len = in_idx.shape[-1]
-        offset = self.trf_blocks[0].cached_length() if decode else 0
-        if attention_mask is None:
-            positions = (offset + jnp.arange(seq_len))[None]  # (1, t)
-            key_mask = None
-        else:
-            positions, key_mask = self._padding(attention_mask, in_idx, offset, decode)
+        positions, key_mask = self._positions(in_idx, decode, attention_mask)
         tok_embeds = self.tok_emb(in_idx)  # (b, t, d)
         pos_embeds = self.pos_emb(positions)
         x = self.drop_emb(tok_embeds + pos_embeds)  # (b, t, d)
