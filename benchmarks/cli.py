@@ -90,6 +90,7 @@ def build_config(args):
             parts_repeats=args.repeats,
             annotated_repeats=args.repeats,
             modern_repeats=args.repeats,
+            products_repeats=args.repeats,
         )
     if args.memory_tokens:
         changes["memory_tokens"] = _int_list(args.memory_tokens)
@@ -133,7 +134,7 @@ def _impl(row):
 
 def format_section(section: str, rows: list[dict]) -> str:
     rows = [r for r in rows if r["section"] == section]
-    if section in ("generate", "prefill", "train", "parts", "annotated", "modern"):
+    if section in ("generate", "prefill", "train", "parts", "annotated", "modern", "products"):
         return _section_module(section).format_rows(rows, _table)
     if section == "speed":
         headers = ["case", "mode", "framework", "implementation", "median ms", "min ms", "n",

@@ -18,6 +18,7 @@ SECTIONS = (
     "parts",
     "annotated",
     "modern",
+    "products",
 )
 
 
@@ -88,6 +89,8 @@ class Config:
     # prefill: GPTModel's forward against GPT2LMHeadModel's (sdpa), (batch, tokens)
     prefill_shape: tuple[int, int] = (1, 1024)
     prefill_repeats: int = 5
+    #: The ``dtype prefill`` rows' (batch, tokens): float32, bfloat16 and int8 weights.
+    prefill_dtype_shape: tuple[int, int] = (1, 512)
     # train: flax_attention.models.train_step against GPT2LMHeadModel + torch.optim.AdamW
     train_shape: tuple[int, int] = (8, 256)
     train_repeats: int = 3
@@ -132,6 +135,18 @@ class Config:
     modern_decode_prompt: int = 16
     modern_decode_tokens: int = 64
     modern_repeats: int = 5
+    # products: the models' weight products alone (benchmarks.products): model -> (k, n, nk)
+    # (nk: a tied head, x @ E.T with E (n, k)), at each row count
+    products_shapes: dict = dataclasses.field(
+        default_factory=lambda: {
+            "gpt2": ((768, 3072, False), (3072, 768, False), (768, 50257, True)),
+            "qwen3": ((1024, 3072, False), (3072, 1024, False), (1024, 151936, True)),
+        }
+    )
+    products_rows: tuple[int, ...] = (1, 8, 32, 512)
+    #: Float32 megabytes of distinct weights one timed call reads (beyond the caches).
+    products_weight_mb: int = 64
+    products_repeats: int = 7
 
     def repeats_for(self, shape) -> int:
         return self.speed_repeats.get(tuple(shape), self.default_repeats)
@@ -173,6 +188,7 @@ QUICK = Config(
     bandwidth_repeats=2,
     prefill_shape=(1, 16),
     prefill_repeats=1,
+    prefill_dtype_shape=(1, 16),
     train_shape=(2, 16),
     train_repeats=1,
     parts_shape=(2, 16),
@@ -210,4 +226,8 @@ QUICK = Config(
     modern_decode_prompt=8,
     modern_decode_tokens=8,
     modern_repeats=1,
+    products_shapes={"tiny": ((32, 101, True),)},
+    products_rows=(1,),
+    products_weight_mb=1,
+    products_repeats=1,
 )

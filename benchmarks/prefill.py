@@ -15,6 +15,12 @@ transformers with ``attn_implementation="sdpa"``, eval mode, ``torch.no_grad()``
 attention is the default implementation (``native`` on CPU where built). The logits are
 compared before timing (``max_*_diff``); each mode's two calls are timed round-robin, with the
 other mode's. ``ratio_vs_sdpa``: Flax time / transformers' time (< 1: Flax faster).
+
+- ``dtype prefill``: the last-position logits at ``prefill_dtype_shape`` (b1 t512) of the same
+  weights in each dtype: Flax float32, bfloat16 (``GPTModel(dtype=param_dtype=bfloat16)``) and
+  int8 (``models.quantize``), transformers float32 and bfloat16 (``.to(torch.bfloat16)``), all
+  round-robin; ``ratio``: the time over Flax float32's (goals: ``benchmarks.targets``);
+  ``max_*_diff`` against transformers in the same dtype (int8: float32).
 """
 
 from __future__ import annotations
@@ -34,12 +40,16 @@ from benchmarks.torch_device import device, to_numpy, to_torch
 __all__ = ["MODES", "TOLERANCE", "plan_calls", "run"]
 
 MODES = ("last-position logits", "all logits")
+DTYPES = ("float32", "bfloat16", "int8")
+#: What the ``dtype prefill`` rows' ``ratio`` is of.
+DTYPE_RATIO_OF = "time / Flax float32's, same shape"
 #: Parity bound before timing, relative (``max|diff| / max(1, max|torch|)``), as in ``speed``.
 TOLERANCE = 1e-4
 
 
 def plan_calls(config) -> int:
-    return 2 * len(MODES) * (config.prefill_repeats + 1)
+    dtypes = (len(DTYPES) + 2) * (config.prefill_repeats + 1)
+    return 2 * len(MODES) * (config.prefill_repeats + 1) + dtypes
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "last"))
@@ -103,6 +113,59 @@ def run(config, progress=None) -> list[dict]:
                     else "GPT2LMHeadModel, attn_implementation=sdpa, no_grad, use_cache=False",
                 )
             )  # fmt: skip
+    return rows + _dtype_rows(config, model, hf, progress)
+
+
+def _dtype_rows(config, model, hf, progress) -> list[dict]:
+    """The ``dtype prefill`` rows: last-position logits in each weight dtype, round-robin."""
+    from benchmarks.generate import _dtype_models
+
+    batch, tokens = config.prefill_dtype_shape
+    models = _dtype_models({"model": model, "models": {"sdpa": hf}})
+    ids = np.random.default_rng(1).integers(0, model.cfg["vocab_size"], (batch, tokens))
+    ids_jax, ids_torch = jax.numpy.asarray(ids, jax.numpy.int32), to_torch(ids)
+
+    def torch_last(hf_model):
+        with torch.no_grad():
+            return hf_model(ids_torch, logits_to_keep=1, use_cache=False).logits[:, -1]
+
+    calls, outputs = {}, {}
+    for (framework, dtype), held in models.items():
+        if framework == "flax":
+            graphdef, state = nnx.split(held)
+            calls[framework, dtype] = functools.partial(
+                _forward, graphdef, state, ids_jax, last=True
+            )
+            outputs[framework, dtype] = np.asarray(
+                jax.block_until_ready(calls[framework, dtype]()), np.float32
+            )
+        else:
+            calls[framework, dtype] = functools.partial(torch_last, held)
+            outputs[framework, dtype] = to_numpy(calls[framework, dtype]().float())
+        if progress is not None:
+            progress.update(1)
+    with count_compiles() as timed:
+        timings = interleaved(calls, config.prefill_repeats, progress)
+    if timed.count:
+        raise RuntimeError(f"a Flax prefill compiled {timed.count} times during timing")
+    base = timings["flax", "float32"]["median_ms"]
+    case = f"b{batch}_t{tokens}"
+    rows = []
+    for (framework, dtype), timing in timings.items():
+        same = ("torch", "float32" if dtype == "int8" else dtype)
+        diffs = None
+        if framework == "flax":
+            diffs = max_diffs({"logits": outputs[framework, dtype]}, {"logits": outputs[same]})
+        rows.append(
+            make_row(
+                "prefill", case, "dtype prefill", framework, dtype, batch=batch, tokens=tokens,
+                timing=timing, value=batch * tokens / (timing["median_ms"] / 1e3),
+                unit="tokens/s", ratio=timing["median_ms"] / base, ratio_of=DTYPE_RATIO_OF,
+                diffs=diffs,
+                note="GPTModel last-position logits, jitted" if framework == "flax"
+                else "GPT2LMHeadModel sdpa, logits_to_keep=1, no_grad",
+            )
+        )  # fmt: skip
     return rows
 
 
@@ -110,7 +173,8 @@ def format_rows(rows: list[dict], table) -> str:
     """The section's table (``table(headers, lines)`` from ``benchmarks.cli``)."""
     title = (
         "Prefill: the whole model's forward over the prompt, median ms; /transformers = Flax "
-        "time / transformers sdpa time, same run (< 1: Flax faster)"
+        "time / transformers sdpa time, same run (< 1: Flax faster); dtype prefill: time / "
+        "Flax float32's"
     )
     return format_model_rows(rows, table, title)
 
@@ -125,7 +189,7 @@ def format_model_rows(rows, table, title) -> str:
                "/transformers", "max diff (rel)", "note"]  # fmt: skip
     lines = [
         [r["case"], r["mode"], r["framework"], r["implementation"], num(r["median_ms"], ".1f"),
-         num(r["min_ms"], ".1f"), r["repeats"], num(r["ratio_vs_sdpa"], ".2f"),
+         num(r["min_ms"], ".1f"), r["repeats"], num(r["ratio_vs_sdpa"] or r["ratio"], ".2f"),
          num(r["max_rel_diff"], ".1e"), r["note"]]
         for r in rows
     ]  # fmt: skip

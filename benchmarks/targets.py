@@ -67,13 +67,18 @@ MODEL_TARGETS = {
     "prefill / transformers": 0.9,
     "train step / transformers": 0.9,
 }
-#: Generation with narrower weights (section generate, ``dtype generate`` rows): tokens/s of the
-#: same model in bfloat16 and with int8 weights over its float32 tokens/s at batch 1, at least;
-#: and each at batch 8 over itself at batch 1, more than this.
+#: Narrower weights (section generate, ``dtype generate`` rows): tokens/s of the same model in
+#: bfloat16 and with int8 weights over its float32 tokens/s at batch 1, at least; each at batch
+#: 8 over itself at batch 1, more than this; bfloat16 at batch 8 over transformers' bfloat16, at
+#: least. Section prefill's ``dtype prefill`` rows: the time over float32's, at most (set
+#: 2026-11-27 with the reduced-precision work; the bfloat16 prefill's goal is 0.6).
 DTYPE_TARGETS = {
     "bfloat16 b1 / float32": 1.7,
     "int8 b1 / float32": 2.8,
     "b8 / b1": 4.0,
+    "bfloat16 b8 / transformers bfloat16": 1.0,
+    "bfloat16 prefill / float32": 0.75,
+    "int8 prefill / float32": 1.0,
 }
 #: How the targets rows name where each of ``MODEL_TARGETS`` comes from.
 MODEL_TARGET_SOURCE = "project goal for the model"
@@ -175,6 +180,8 @@ def _model_targets(rows, add) -> None:
         goal = MODEL_TARGETS["prefill / transformers" if section == "prefill"
                              else "train step / transformers"]  # fmt: skip
         for row in _find(rows, section=section, framework="flax"):
+            if row["mode"] == "dtype prefill":  # _dtype_targets
+                continue
             add(f"{row['case']} {row['mode']}: time / transformers' <= {goal:g} ({source})",
                 row["ratio_vs_sdpa"], "", row["ratio_vs_sdpa"] <= goal, row["case"])  # fmt: skip
 
@@ -196,6 +203,19 @@ def _dtype_targets(rows, add) -> None:
             speedup = flax[8, dtype]["value"] / row["value"]
             add(f"{dtype} generate: batch 8 > {goal:g}x batch 1's tokens/s ({source})",
                 speedup, "x", speedup > goal, flax[8, dtype]["case"])  # fmt: skip
+    torch_bf16 = _find(rows, section="generate", mode="dtype generate", framework="torch",
+                       implementation="bfloat16", batch=8)  # fmt: skip
+    if (8, "bfloat16") in flax and torch_bf16 and not torch_bf16[0]["skipped"]:
+        goal = DTYPE_TARGETS["bfloat16 b8 / transformers bfloat16"]
+        speedup = flax[8, "bfloat16"]["value"] / torch_bf16[0]["value"]
+        add(f"bfloat16 generate b8: >= {goal:g}x transformers bfloat16's tokens/s ({source})",
+            speedup, "x", speedup >= goal, flax[8, "bfloat16"]["case"])  # fmt: skip
+    for row in _find(rows, section="prefill", mode="dtype prefill", framework="flax"):
+        if row["implementation"] == "float32" or row["skipped"]:
+            continue
+        goal = DTYPE_TARGETS[f"{row['implementation']} prefill / float32"]
+        add(f"{row['case']} {row['implementation']} prefill: time / float32's <= {goal:g} "
+            f"({source})", row["ratio"], "", row["ratio"] <= goal, row["case"])  # fmt: skip
 
 
 def _annotated_targets(rows, add) -> None:

@@ -93,7 +93,7 @@ def matmul(x, w, scale=None, *, nk: bool = False, packed: bool = False):
     if x.ndim != 2 or w.ndim != 2:
         raise ValueError("x and w must be 2-D")
     m, k = x.shape
-    n, kw = (w.shape if nk else w.shape[::-1])
+    n, kw = w.shape if nk else w.shape[::-1]
     if kw != k:
         raise ValueError(f"contracting dims differ: x {x.shape}, w {w.shape}, nk={nk}")
     if x.dtype not in (jnp.float32, jnp.bfloat16):

@@ -1,6 +1,6 @@
 """Correctness against numpy and a quick timing sanity check for ``benchmarks.onednn_ffi``.
 
-    PYTHONPATH=. python -m benchmarks.onednn_ffi.check [--time]
+PYTHONPATH=. python -m benchmarks.onednn_ffi.check [--time]
 """
 
 from __future__ import annotations
@@ -99,8 +99,10 @@ def timing() -> None:
             a, b = median_ms(one, x, w), median_ms(xla, x, w)
             c, d = median_ms(one_nk, x, wt), median_ms(xla_nk, x, wt)
             p, q = median_ms(pk, x, w), median_ms(pk_nk, x, wt)
-            print(f"m={m:4d} {name:4s} (k,n): oneDNN {a:7.3f} packed {p:7.3f} XLA {b:7.3f} ms | "
-                  f"(n,k): oneDNN {c:7.3f} packed {q:7.3f} XLA {d:7.3f} ms")
+            print(
+                f"m={m:4d} {name:4s} (k,n): oneDNN {a:7.3f} packed {p:7.3f} XLA {b:7.3f} ms | "
+                f"(n,k): oneDNN {c:7.3f} packed {q:7.3f} XLA {d:7.3f} ms"
+            )
     print("uptime:", os.popen("uptime").read().strip())
 
 
