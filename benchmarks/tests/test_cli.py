@@ -355,3 +355,25 @@ def test_speed_rows_in_bfloat16_compare_with_torch_in_bfloat16_and_say_so():
         if not row["skipped"]:
             assert 0.0 <= row["max_rel_diff"] <= speed.TOLERANCE["bfloat16"], row
             assert math.isfinite(row["median_ms"]) and row["median_ms"] > 0, row
+
+
+@pytest.mark.quick
+def test_the_gpu_script_runs_its_steps_in_order_with_options_the_cli_takes():
+    """``benchmarks/gpu.sh`` (no GPU here: its ``python -m benchmarks`` lines are read, not run):
+    executable, generate first, the speed section in bfloat16 then float32, the train step
+    last, each step's arguments accepted by ``parse_args`` and its limit within the 10 minutes."""
+    import os
+    import shlex
+
+    from benchmarks.tests.helpers import ROOT
+
+    script = ROOT / "benchmarks" / "gpu.sh"
+    assert os.access(script, os.X_OK), f"{script} is not executable"
+    steps = [shlex.split(line)[1:] for line in script.read_text().splitlines()
+             if line.startswith("step ")]  # fmt: skip
+    assert [name for name, *_ in steps] == ["generate", "speed-bfloat16", "speed-float32", "train"]
+    assert sum(int(limit) for _, limit, *_ in steps) <= 570  # 9.5 minutes, the checks first
+    parsed = [parse_args(["--no-progress", "--json", "x.json", *args]) for _, _, *args in steps]
+    assert [args.sections for args in parsed] == [("generate",), ("speed",), ("speed",), ("train",)]
+    assert [args.dtype for args in parsed[1:3]] == ["bfloat16", "float32"]
+    assert "nvidia-smi -L" in script.read_text()
