@@ -369,11 +369,15 @@ def test_the_gpu_script_runs_its_steps_in_order_with_options_the_cli_takes():
 
     script = ROOT / "benchmarks" / "gpu.sh"
     assert os.access(script, os.X_OK), f"{script} is not executable"
-    steps = [shlex.split(line)[1:] for line in script.read_text().splitlines()
-             if line.startswith("step ")]  # fmt: skip
+    text = script.read_text().replace("\\\n", " ")  # continued lines joined
+    steps = [shlex.split(line)[1:] for line in text.splitlines() if line.startswith("step ")]
     assert [name for name, *_ in steps] == ["generate", "speed-bfloat16", "speed-float32", "train"]
     assert sum(int(limit) for _, limit, *_ in steps) <= 570  # 9.5 minutes, the checks first
-    parsed = [parse_args(["--no-progress", "--json", "x.json", *args]) for _, _, *args in steps]
+    # float32 at highest matmul precision (torch's TF32 is off), bfloat16 at the default
+    assert [precision for _, _, precision, *_ in steps] == ["highest", "default", "highest",
+                                                            "highest"]  # fmt: skip
+    parsed = [parse_args(["--no-progress", "--json", "x.json", *args]) for *_, args in
+              [(step[:3], step[3:]) for step in steps]]  # fmt: skip
     assert [args.sections for args in parsed] == [("generate",), ("speed",), ("speed",), ("train",)]
     assert [args.dtype for args in parsed[1:3]] == ["bfloat16", "float32"]
     assert "nvidia-smi -L" in script.read_text()
