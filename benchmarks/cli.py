@@ -12,7 +12,7 @@ import sys
 import time
 
 from benchmarks.charts import missing_matplotlib, write_charts
-from benchmarks.config import FULL, QUICK, SECTIONS, parse_shape
+from benchmarks.config import FULL, QUICK, SECTIONS, SPEED_DTYPES, parse_shape
 from benchmarks.targets import target_rows
 from conformance_tests.progress import progress_bar
 
@@ -46,6 +46,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--repeats", type=int, metavar="N", help="timed calls per measurement (all sections)"
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=SPEED_DTYPES,
+        help="the speed section's layer, input and torch modules (default: float32)",
     )
     parser.add_argument("--memory-tokens", metavar="LIST", help="e.g. 4096,8192,32768")
     parser.add_argument(
@@ -92,6 +97,8 @@ def build_config(args):
             modern_repeats=args.repeats,
             products_repeats=args.repeats,
         )
+    if args.dtype:
+        changes["speed_dtype"] = args.dtype
     if args.memory_tokens:
         changes["memory_tokens"] = _int_list(args.memory_tokens)
     if args.memory_reference_max_tokens is not None:

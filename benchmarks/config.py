@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["Config", "FULL", "QUICK", "SECTIONS", "parse_shape"]
+__all__ = ["Config", "FULL", "QUICK", "SECTIONS", "SPEED_DTYPES", "parse_shape"]
 
 SECTIONS = (
     "speed",
@@ -20,6 +20,10 @@ SECTIONS = (
     "modern",
     "products",
 )
+
+#: The speed section's dtypes (``--dtype``): float32, and bfloat16 where the fused GPU kernels run
+#: (cuDNN's on the Flax side, torch SDPA's flash attention on torch's).
+SPEED_DTYPES = ("float32", "bfloat16")
 
 
 def parse_shape(text: str) -> tuple[int, int]:
@@ -43,6 +47,9 @@ class Config:
         default_factory=lambda: {(8, 256): 5, (8, 1024): 3, (1, 4096): 3}
     )
     default_repeats: int = 5
+    #: The dtype of the layer, its input and torch's two modules in the speed section
+    #: (``SPEED_DTYPES``); every row of a run not in float32 says it in its note.
+    speed_dtype: str = "float32"
     #: ``{(implementation, mode, batch, tokens): reason}`` not run, the reason in its row. Empty:
     #: ``reference`` forward+backward at b1 t4096 fits the machine of docs/performance.md (its
     #: time and memory there: "Measurements behind the benchmarks' own choices"), so it is timed

@@ -1,4 +1,6 @@
-"""Section ``speed``: forward and forward+backward at GPT-2 small sizes.
+"""Section ``speed``: forward and forward+backward at GPT-2 small sizes, in float32 or, with
+``--dtype bfloat16`` (``Config.speed_dtype``), everything in bfloat16: the Flax layer's parameters
+and input, and torch's two modules (the same rounded weights); each row's note then names it.
 
 Every Flax implementation is ``jax.jit`` over the state of ``nnx.split`` (the module rebuilt with
 ``nnx.merge`` inside the traced function); forward+backward is ``jax.grad`` of the sum of the
@@ -15,6 +17,7 @@ import dataclasses
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import torch
 from flax import nnx
@@ -24,6 +27,7 @@ from benchmarks.models import make_modules, random_input
 from benchmarks.rows import make_row, max_diffs
 from benchmarks.timing import interleaved
 from benchmarks.torch_device import to_numpy, to_torch
+from conformance_tests.tolerances import tolerance
 from flax_attention.kernels import native
 
 __all__ = [
@@ -38,8 +42,10 @@ __all__ = [
     "torch_forward_backward",
 ]
 
-#: Parity bound before timing: max |flax - torch| / max(1, max |torch|) per tensor.
-TOLERANCE = 1e-4
+#: Parity bound before timing, by the section's dtype: max |flax - torch| / max(1, max |torch|)
+#: per tensor. bfloat16's is the spec's bfloat16 forward tolerance, for the gradients too (both
+#: sides round every activation, the documents' torch module included).
+TOLERANCE = {"float32": 1e-4, "bfloat16": tolerance("bfloat16", "forward")}
 
 
 def flax_implementations() -> list[str | None]:
@@ -115,7 +121,9 @@ def as_named(result):
     """A call's result on the host as ``{name: array}`` (a lone output: ``{"out": ...}``)."""
 
     def host(v):
-        return to_numpy(v) if isinstance(v, torch.Tensor) else np.asarray(v)
+        if isinstance(v, torch.Tensor):  # NumPy has no bfloat16 of torch's
+            return to_numpy(v.float() if v.dtype == torch.bfloat16 else v)
+        return np.asarray(v)
 
     if isinstance(result, dict):
         return {k: host(v) for k, v in result.items()}
@@ -138,6 +146,7 @@ class _Shape:
 
     batch: int
     tokens: int
+    dtype: str  # of the parameters and the input, in both frameworks (SPEED_DTYPES)
     eager: torch.nn.Module  # the documents' module: every output is checked against it
     sdpa: torch.nn.Module
     module: fa.MultiHeadAttention
@@ -148,6 +157,12 @@ class _Shape:
     def case(self) -> str:
         return f"b{self.batch}_t{self.tokens}"
 
+    def note(self, text: str = "") -> str:
+        """A row's note, the dtype first where it is not float32."""
+        if self.dtype == "float32":
+            return text
+        return f"{self.dtype}; {text}" if text else self.dtype
+
 
 def _tick(progress, n=1):
     if progress is not None:
@@ -156,15 +171,26 @@ def _tick(progress, n=1):
 
 def run(config, progress=None) -> list[dict]:
     """Rows of every shape and mode; torch's thread count is the caller's (``cli`` sets it)."""
-    rows = []
+    rows, dtype = [], config.speed_dtype
     for batch, tokens in config.speed_shapes:
         eager, sdpa, module = make_modules(context_length=max(1024, tokens))
         x_np = random_input(batch, tokens)
-        shape = _Shape(batch, tokens, eager, sdpa, module, to_torch(x_np),
-                       jax.numpy.asarray(x_np))  # fmt: skip
+        x_torch, x_jax = to_torch(x_np), jnp.asarray(x_np)
+        if dtype != "float32":
+            _cast(dtype, eager, sdpa, module)
+            x_torch, x_jax = x_torch.to(getattr(torch, dtype)), x_jax.astype(dtype)
+        shape = _Shape(batch, tokens, dtype, eager, sdpa, module, x_torch, x_jax)
         for mode in config.speed_modes:
             rows += _run_shape_mode(config, shape, mode, progress)
     return rows
+
+
+def _cast(dtype, eager, sdpa, module) -> None:
+    """Every parameter of the three modules in ``dtype``, in place: torch's two through
+    ``.to``, the Flax layer's the same float32 values rounded the same way (to nearest even)."""
+    eager.to(getattr(torch, dtype)), sdpa.to(getattr(torch, dtype))
+    params = nnx.state(module, nnx.Param)
+    nnx.update(module, jax.tree.map(lambda p: p.astype(dtype), params))
 
 
 def _run_shape_mode(config, shape, mode, progress):
@@ -195,12 +221,13 @@ def _run_shape_mode(config, shape, mode, progress):
             continue
         _tick(progress)
         diffs[name] = max_diffs(result, reference_out)
-        if diffs[name][1] > TOLERANCE:
+        if diffs[name][1] > TOLERANCE[shape.dtype]:
             skipped[name] = f"outputs differ from torch (max rel {diffs[name][1]:.1e}): not timed"
             continue
         calls[name] = call
-        q = shape.x_jax[..., None, :64]
-        resolved[name] = implementation or fa.select_implementation(q, q, need_weights=False)
+        q = shape.x_jax[..., None, :64]  # (b, t, 1, 64): the layer's heads' dtype and size
+        causal = fa.AttentionMask(is_causal=True)
+        resolved[name] = implementation or fa.select_implementation(q, q, mask=causal)
 
     timings = interleaved(calls, repeats, progress)
     return _rows(shape, mode, timings, resolved, diffs, skipped)
@@ -224,13 +251,14 @@ def _rows(shape, mode, timings, resolved, diffs, skipped):
     for name in ["eager", "sdpa", *(_label(i) for i in flax_implementations())]:
         framework = "torch" if name in ("eager", "sdpa") else "flax"
         if name in skipped:
-            rows.append(row(framework, name, skipped=True, note=skipped[name],
+            rows.append(row(framework, name, skipped=True, note=shape.note(skipped[name]),
                             diffs=diffs.get(name)))  # fmt: skip
             continue
         timing = timings[name]
         rows.append(
             row(framework, name, resolved=resolved[name], timing=timing,
                 ratio_vs_eager=timing["median_ms"] / eager_ms,
-                ratio_vs_sdpa=timing["median_ms"] / sdpa_ms, diffs=diffs[name])
+                ratio_vs_sdpa=timing["median_ms"] / sdpa_ms, diffs=diffs[name],
+                note=shape.note())
         )  # fmt: skip
     return rows

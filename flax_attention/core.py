@@ -31,7 +31,10 @@ reference     the documents' math: the ``(..., h, t, s)`` scores are materialise
               (``_reference`` below)
 xla           ``jax.nn.dot_product_attention(implementation="xla")``                  no
               (``kernels/jax_nn.py``)
-cudnn         ``jax.nn.dot_product_attention(implementation="cudnn")``, GPU only      no
+cudnn         ``jax.nn.dot_product_attention(implementation="cudnn")``, GPU only,     no
+              float16/bfloat16, head size a multiple of 8 up to 128 (256 on Hopper);
+              causality and windows passed as ``is_causal``/``local_window_size``
+              (``kernels/jax_nn.py``, ``cudnn_can_run``)
 blocked       flash-style tiles with an online softmax, in JAX; tiles that the        no
               causal mask removes entirely are skipped; memory ``O(t * block)``,
               gradients too (a custom VJP that recomputes the tiles); dropout
@@ -79,7 +82,7 @@ from flax_attention._checks import check_choice, check_instance
 from flax_attention._inputs import check_d_key
 from flax_attention.kernels import native
 from flax_attention.kernels.blocked import BlockSizes, blocked_attention
-from flax_attention.kernels.jax_nn import jax_nn_attention
+from flax_attention.kernels.jax_nn import cudnn_can_run, jax_nn_attention
 from flax_attention.masking import AttentionMask, causal_mask
 from flax_attention.mesh import attention_out_shardings, explicit_mesh
 
@@ -174,9 +177,11 @@ def select_implementation(
     need_weights=False,
     dropout=None,
     kv_layout: KVLayout = "shd",
+    mask: AttentionMask | None = None,
 ) -> str:
     """What ``implementation=None`` runs: the fastest that runs these inputs and does what the
-    call needs.
+    call needs (``mask``: what the call hides, as ``attend`` takes it; ``None``: nothing, and
+    ``AttentionMask(is_causal=True)`` for a causal layer without a cache or padding mask).
 
     - weights asked for: ``reference`` (the only one that returns them);
     - a dropout callable other than ``nnx.Dropout``, active: ``reference`` (the only one that
@@ -185,8 +190,15 @@ def select_implementation(
       (nothing to tile or fuse; on a GPU it also keeps clear of XLA refusing to compile the
       fused attention's half-precision scores product, float32 accumulation at ``highest``
       precision, when one query meets one key: "Unsupported dot precision algorithm");
-    - GPU and TPU: ``xla`` (XLA's fused attention; ``cudnn`` is opt-in, it takes half
-      precision only and is not yet measured here), or ``reference`` while dropout is active;
+    - GPU: ``cudnn`` (cuDNN's fused flash attention) where ``kernels.jax_nn.cudnn_can_run``
+      the call: queries, keys and values all float16 or all bfloat16, no dropout active, keys
+      and values ``(..., s, h, d)`` (``kv_layout="shd"``), one head size for all three, a
+      multiple of 8 up to 128 (256 from compute capability 9.0), no caller's mask, and
+      causality (and its window) only from query 0 over as many keys as queries (it goes in as
+      ``is_causal``, not as a mask array); else as on a TPU (the selection is not yet measured
+      on a GPU: ``docs/performance.md``);
+    - TPU (and a GPU where ``cudnn`` cannot take the call): ``xla`` (XLA's attention), or
+      ``reference`` while dropout is active;
     - CPU: ``native`` where ``native.can_run`` the inputs (the kernel built, queries, keys
       and, when given, values float32 or bfloat16; ``native.why_unavailable()`` says why not),
       else ``blocked`` (the tiled kernels skip the causal half and never materialise the
@@ -201,11 +213,14 @@ def select_implementation(
     thresholds: ``docs/performance.md``, "Choosing an implementation").
     """
     check_choice("kv_layout", kv_layout, KV_LAYOUTS)
-    return _select(queries, keys, values, need_weights, dropout, kv_layout)
+    expected = "an AttentionMask or None (e.g. AttentionMask(is_causal=True))"
+    check_instance("mask", mask, (AttentionMask, type(None)), expected)
+    mask = AttentionMask() if mask is None else mask
+    return _select(queries, keys, values, need_weights, dropout, kv_layout, mask)
 
 
-def _select(queries, keys, values, need_weights, dropout, kv_layout) -> str:
-    """``select_implementation`` on the core's own values."""
+def _select(queries, keys, values, need_weights, dropout, kv_layout, mask) -> str:
+    """``select_implementation`` on the core's own values (``mask`` an ``AttentionMask``)."""
     if need_weights:
         return "reference"
     if _dropout_active(dropout) and not isinstance(dropout, nnx.Dropout):
@@ -215,7 +230,12 @@ def _select(queries, keys, values, need_weights, dropout, kv_layout) -> str:
     if queries_count * keys_count < BLOCKED_MIN_SCORES:
         return "reference"
     if jax.default_backend() != "cpu":
-        return "reference" if _dropout_active(dropout) else "xla"
+        if _dropout_active(dropout):
+            return "reference"
+        on_gpu = jax.default_backend() == "gpu" and kv_layout == "shd"
+        values = keys if values is None else values  # jax.nn: values shaped as keys
+        fused = on_gpu and cudnn_can_run(queries, keys, values, mask)
+        return "cudnn" if fused else "xla"
     if kv_layout == "hsd" and queries_count < NATIVE_MIN_QUERIES_HSD:
         return "reference" if queries_count == 1 else "blocked"
     operands = (queries, keys) if values is None else (queries, keys, values)
@@ -297,7 +317,7 @@ def attend(
             "from a boolean mask; dot_product_attention takes the boolean mask itself)"
         )
     if implementation is None:
-        implementation = _select(queries, keys, values, need_weights, dropout, kv_layout)
+        implementation = _select(queries, keys, values, need_weights, dropout, kv_layout, mask)
     else:  # the caller's choice must do what the call asks, here
         _check_choice(
             implementation, queries, keys, values, need_weights=need_weights, dropout=dropout

@@ -9,11 +9,13 @@ just the shapes. The targets rows are checked on hand-made rows against ``benchm
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 
-from benchmarks import ROW_FIELDS
+from benchmarks import ROW_FIELDS, speed
+from benchmarks.cli import build_config, parse_args
 from benchmarks.config import QUICK
 from benchmarks.parts import MODES, PARTS
 from benchmarks.rows import make_row
@@ -329,3 +331,53 @@ def test_table_on_stdout(quick_run):
     for title in ("Machine", "Speed:", "Memory:", "Decode:", "Compile:", "Generate:", "Prefill:",
                   "Train:", "Annotated:", "Modern:", "Targets"):  # fmt: skip
         assert title in stdout, f"{title!r} missing from the printed table"
+
+
+@pytest.mark.quick
+def test_dtype_option_sets_the_speed_sections_dtype(capsys):
+    assert build_config(parse_args(["--quick", "--dtype", "bfloat16"])).speed_dtype == "bfloat16"
+    assert build_config(parse_args(["--quick"])).speed_dtype == "float32"
+    with pytest.raises(SystemExit):
+        parse_args(["--dtype", "float16"])
+    assert "--dtype: invalid choice: 'float16'" in capsys.readouterr().err
+
+
+def test_speed_rows_in_bfloat16_compare_with_torch_in_bfloat16_and_say_so():
+    """One tiny forward in bfloat16: every callable, torch's two included, runs and matches the
+    documents' module (also in bfloat16) within the bfloat16 bound, and every row's note names
+    the dtype."""
+    config = dataclasses.replace(QUICK, speed_dtype="bfloat16", speed_modes=("forward",))
+    rows = speed.run(config)
+    names = {r["implementation"] for r in rows if not r["skipped"]}
+    assert {"eager", "sdpa", "reference", "xla", "blocked", "default"} <= names, rows
+    for row in rows:
+        assert row["note"].startswith("bfloat16"), row
+        if not row["skipped"]:
+            assert 0.0 <= row["max_rel_diff"] <= speed.TOLERANCE["bfloat16"], row
+            assert math.isfinite(row["median_ms"]) and row["median_ms"] > 0, row
+
+
+@pytest.mark.quick
+def test_the_gpu_script_runs_its_steps_in_order_with_options_the_cli_takes():
+    """``benchmarks/gpu.sh`` (no GPU here: its ``python -m benchmarks`` lines are read, not run):
+    executable, generate first, the speed section in bfloat16 then float32, the train step
+    last, each step's arguments accepted by ``parse_args`` and its limit within the 10 minutes."""
+    import os
+    import shlex
+
+    from benchmarks.tests.helpers import ROOT
+
+    script = ROOT / "benchmarks" / "gpu.sh"
+    assert os.access(script, os.X_OK), f"{script} is not executable"
+    text = script.read_text().replace("\\\n", " ")  # continued lines joined
+    steps = [shlex.split(line)[1:] for line in text.splitlines() if line.startswith("step ")]
+    assert [name for name, *_ in steps] == ["generate", "speed-bfloat16", "speed-float32", "train"]
+    assert sum(int(limit) for _, limit, *_ in steps) <= 570  # 9.5 minutes, the checks first
+    # float32 at highest matmul precision (torch's TF32 is off), bfloat16 at the default
+    assert [precision for _, _, precision, *_ in steps] == ["highest", "default", "highest",
+                                                            "highest"]  # fmt: skip
+    parsed = [parse_args(["--no-progress", "--json", "x.json", *args]) for *_, args in
+              [(step[:3], step[3:]) for step in steps]]  # fmt: skip
+    assert [args.sections for args in parsed] == [("generate",), ("speed",), ("speed",), ("train",)]
+    assert [args.dtype for args in parsed[1:3]] == ["bfloat16", "float32"]
+    assert "nvidia-smi -L" in script.read_text()
