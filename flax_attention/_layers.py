@@ -36,21 +36,22 @@ __all__ = [
     "rows_dot_general",
 ]
 
-#: The most rows a product sends to the narrow-weight kernel (``kernels.native.narrow``): a
-#: decode step's batch. Longer products (prefill, training) are XLA's.
-NARROW_ROWS = 16
-#: The weights the narrow-weight kernel reads at their own width.
-_NARROW_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.int8))
+#: The most rows a product sends to the narrow-weight kernel (``kernels.native.narrow``), per
+#: weight dtype: a decode step's batch, and for int8 a short prompt's too. Longer products
+#: (prefill, training) are XLA's. Where each crosses over (the ``products`` benchmark, in
+#: docs/performance.md): bfloat16 at 32 rows is XLA's at 1.0-1.1x float32's time against the
+#: kernel's 1.25-1.3x; int8 at 32 rows is the kernel's at 1.1-1.26x against XLA's 3.3-3.5x
+#: (XLA converts the whole int8 matrix to float32 in memory first).
+NARROW_ROWS = {jnp.dtype(jnp.bfloat16): 16, jnp.dtype(jnp.int8): 32}
 
 
 def narrow_product_ok(rows: int, weight) -> bool:
     """Whether a product of ``rows`` rows with ``weight`` runs on the narrow-weight kernel: a
-    bfloat16 or int8 weight at up to ``NARROW_ROWS`` rows, on the CPU with the kernel built,
+    bfloat16 or int8 weight at up to ``NARROW_ROWS[its dtype]`` rows, on the CPU with the kernel built,
     outside any mesh (a custom call would gather a sharded weight onto every device)."""
-    if not 1 <= rows <= NARROW_ROWS or weight.ndim != 2:
+    # float32: XLA's products (the kernel's float32 path is for the benchmarks)
+    if not 1 <= rows <= NARROW_ROWS.get(jnp.dtype(weight.dtype), 0) or weight.ndim != 2:
         return False
-    if jnp.dtype(weight.dtype) not in _NARROW_DTYPES:
-        return False  # float32: XLA's products (the kernel's float32 path is for the benchmarks)
     if jax.default_backend() != "cpu" or not jax.sharding.get_abstract_mesh().empty:
         return False
     from flax_attention.kernels.native import narrow
@@ -168,7 +169,7 @@ def rows_dot_general(lhs, rhs, dimension_numbers, precision=None, **options):
         and options.get("out_sharding") is None
         and (no_mesh or not any(spec_of(lhs)))
     )
-    narrow = plain and jnp.dtype(rhs.dtype) in _NARROW_DTYPES  # else XLA's, as every float32
+    narrow = plain and jnp.dtype(rhs.dtype) in NARROW_ROWS  # else XLA's, as every float32
     if narrow and narrow_product_ok(math.prod(lhs.shape[:-1]), rhs):
         rows = lhs.reshape(-1, lhs.shape[-1])  # (rows, d_in)
         dtype = options.get("preferred_element_type") or jnp.result_type(lhs, rhs)

@@ -29,6 +29,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -94,6 +95,15 @@ inline float Scalar<int8_t>(const int8_t* p) { return float(*p); }
       case 3: NkRange<Vec>(m, k, x, (const Bf16*)w, n, scale, y, j0, j1); break;             \
       case 4: KnRange<Vec>(m, k, x, (const int8_t*)w, n, scale, y, j0, j1); break;           \
       case 5: NkRange<Vec>(m, k, x, (const int8_t*)w, n, scale, y, j0, j1); break;           \
+      default: break;                                                                        \
+    }                                                                                        \
+  }                                                                                          \
+  __attribute__((flatten)) void Part(int type, int64_t m, int64_t k, int64_t n, const float* x, \
+                                     const void* w, float* y, int64_t k0, int64_t k1) {      \
+    switch (type) {                                                                          \
+      case 0: KnPart<Vec>(m, k, x, (const float*)w, n, y, k0, k1); break;                    \
+      case 1: KnPart<Vec>(m, k, x, (const Bf16*)w, n, y, k0, k1); break;                     \
+      case 2: KnPart<Vec>(m, k, x, (const int8_t*)w, n, y, k0, k1); break;                   \
       default: break;                                                                        \
     }                                                                                        \
   }
@@ -162,14 +172,35 @@ void Product(int type, bool nk, int64_t m, int64_t k, int64_t n, const float* x,
       y[r * n + j] = scale ? sum * scale[j] : sum;
     }
 }
+void Part(int type, int64_t m, int64_t k, int64_t n, const float* x, const void* w, float* y,
+          int64_t k0, int64_t k1) {
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t j = 0; j < n; ++j) {
+      float sum = 0.0f;
+      for (int64_t kk = k0; kk < k1; ++kk) {
+        const int64_t at = kk * n + j;
+        const float v = type == 0   ? ((const float*)w)[at]
+                        : type == 1 ? Scalar<Bf16>((const Bf16*)w + at)
+                                    : float(((const int8_t*)w)[at]);
+        sum += x[r * k + kk] * v;
+      }
+      y[r * n + j] = sum;
+    }
+}
 }  // namespace base
 #endif
 
 using ProductFn = void (*)(int, bool, int64_t, int64_t, int64_t, const float*, const void*,
                            const float*, float*, int64_t, int64_t);
+using PartFn = void (*)(int, int64_t, int64_t, int64_t, const float*, const void*, float*, int64_t,
+                        int64_t);
+
+// Products of up to this many rows with a (k, n) weight are split over the weight's rows (one
+// contiguous block a task, partial sums added at the end) instead of over its columns.
+constexpr int64_t kSplitRows = 8;
 
 // x (m, k) float32; w (k, n) or, nk, (n, k); scale (n,) for int8 and (0,) otherwise; y (m, n).
-template <ProductFn product>
+template <ProductFn product, PartFn part>
 ffi::Error Product(ffi::ThreadPool pool, ffi::Buffer<ffi::F32, 2> x, ffi::AnyBuffer w,
                    ffi::Buffer<ffi::F32, 1> scale, ffi::ResultBuffer<ffi::F32, 2> y, bool nk) {
   const auto xd = x.dimensions();
@@ -205,6 +236,24 @@ ffi::Error Product(ffi::ThreadPool pool, ffi::Buffer<ffi::F32, 2> x, ffi::AnyBuf
     const int64_t j0 = item * step, j1 = std::min(n, j0 + step);
     product(type, nk, m, k, n, xp, wp, s, yp, j0, j1);
   };
+  if (!nk && m <= kSplitRows && k >= 64 * threads && m * k * n >= (1 << 16)) {
+    // Each task one contiguous block of whole weight rows (multiples of 8), its partial
+    // product in its own buffer, the buffers summed (and scaled) after.
+    const int64_t parts = std::min<int64_t>(2 * threads, k / 32);
+    const int64_t rows = ((k + parts - 1) / parts + 7) / 8 * 8;
+    const int64_t tasks = (k + rows - 1) / rows;
+    std::vector<float> partial(static_cast<size_t>(tasks * m * n));
+    ParallelFor(pool, tasks, [&](int64_t t) {
+      part(type, m, k, n, xp, wp, partial.data() + t * m * n, t * rows,
+           std::min(k, (t + 1) * rows));
+    });
+    for (int64_t i = 0; i < m * n; ++i) {
+      float sum = partial[i];
+      for (int64_t t = 1; t < tasks; ++t) sum += partial[t * m * n + i];
+      yp[i] = s ? sum * s[i % n] : sum;
+    }
+    return ffi::Error::Success();
+  }
   if (items == 1 || m * k * n < (1 << 16)) {
     for (int64_t item = 0; item < items; ++item) body(item);
   } else {
@@ -247,7 +296,7 @@ extern "C" int FlaxNarrowWidth(int level) {
   static ffi::Error symbol##Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32, 2> x, ffi::AnyBuffer w, \
                           ffi::Buffer<ffi::F32, 1> scale, ffi::ResultBuffer<ffi::F32, 2> y, \
                           bool nk) {                                     \
-    return Product<fn>(pool, x, w, scale, y, nk);                        \
+    return Product<fn::Product, fn::Part>(pool, x, w, scale, y, nk);                        \
   }                                                                      \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(symbol, symbol##Impl,                    \
                                 ffi::Ffi::Bind()                         \
@@ -258,8 +307,8 @@ extern "C" int FlaxNarrowWidth(int level) {
                                     .Ret<Rows>()                         \
                                     .Attr<bool>("nk"));
 
-FLAX_NARROW_HANDLER(FlaxNarrowProductBase, base::Product)
+FLAX_NARROW_HANDLER(FlaxNarrowProductBase, base)
 #if FLAX_NARROW_COPIES
-FLAX_NARROW_HANDLER(FlaxNarrowProductV3, v3::Product)
-FLAX_NARROW_HANDLER(FlaxNarrowProductV4, v4::Product)
+FLAX_NARROW_HANDLER(FlaxNarrowProductV3, v3)
+FLAX_NARROW_HANDLER(FlaxNarrowProductV4, v4)
 #endif

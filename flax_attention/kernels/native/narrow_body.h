@@ -48,6 +48,24 @@ template <typename Vec>
 struct Widen<Vec, Bf16> {
   using L = Lanes<kW<Vec>>;
   static inline void Load(Vec& v, const Bf16* p) {
+    // One zero extension and one shift where the target has them (GCC lowers the generic
+    // conversion below to halves and shuffles, as it does int8's).
+#if FLAX_NARROW_LEVEL == 4
+    if constexpr (kW<Vec> == 16) {
+      const __m512i f = _mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16);
+      std::memcpy(&v, &f, sizeof(Vec));
+      return;
+    }
+#endif
+#if FLAX_NARROW_LEVEL >= 3
+    if constexpr (kW<Vec> == 8) {
+      const __m256i f = _mm256_slli_epi32(
+          _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16);
+      std::memcpy(&v, &f, sizeof(Vec));
+      return;
+    }
+#endif
     typename L::U16 h;
     std::memcpy(&h, p, sizeof h);
     typename L::U32 bits = __builtin_convertvector(h, typename L::U32) << 16;
@@ -192,10 +210,53 @@ void KnRange(int64_t m, int64_t k, const float* x, const T* w, int64_t n, const 
   }
 }
 
+// Rows [k0, k1) of w, every column, for up to 8 rows of x at a time: y = x[:, k0:k1] @ w[k0:k1]
+// (no scale), into y (m, n). One task's share when a product of a few rows is split over the
+// weight's rows: each task then reads one contiguous block of the weight.
+template <typename Vec, typename T>
+void KnPart(int64_t m, int64_t k, const float* x, const T* w, int64_t n, float* y, int64_t k0,
+            int64_t k1) {
+  constexpr int W = kW<Vec>;
+  for (int64_t i = 0; i < m; i += 8) {
+    const float* xi = x + i * k + k0;
+    float* yi = y + i * n;
+    switch (std::min<int64_t>(8, m - i)) {
+#define FLAX_NARROW_PART(R) \
+  case R: KnRows<Vec, T, R, KnV(W, R)>(k1 - k0, xi, k, w + k0 * n, n, nullptr, yi, n, 0, n); break;
+      FLAX_NARROW_PART(1)
+      FLAX_NARROW_PART(2)
+      FLAX_NARROW_PART(3)
+      FLAX_NARROW_PART(4)
+      FLAX_NARROW_PART(5)
+      FLAX_NARROW_PART(6)
+      FLAX_NARROW_PART(7)
+      FLAX_NARROW_PART(8)
+#undef FLAX_NARROW_PART
+      default: break;
+    }
+  }
+}
+
 // ---- nk: y[r][j] = sum_k x[r][k] e[j][k] (* scale[j]) ----------------------------------------
 
 template <typename Vec>
 inline float Sum(const Vec& v) {
+#if FLAX_NARROW_LEVEL == 4
+  if constexpr (kW<Vec> == 16) {
+    __m512 f;
+    std::memcpy(&f, &v, sizeof f);
+    return _mm512_reduce_add_ps(f);
+  }
+#endif
+#if FLAX_NARROW_LEVEL >= 3
+  if constexpr (kW<Vec> == 8) {
+    __m256 f;
+    std::memcpy(&f, &v, sizeof f);
+    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(f), _mm256_extractf128_ps(f, 1));
+    const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+  }
+#endif
   float s = 0.0f;
   for (int i = 0; i < kW<Vec>; ++i) s += v[i];
   return s;
