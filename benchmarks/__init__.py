@@ -18,7 +18,8 @@ configuration. Sections:
 - ``generate``: the whole model, ``flax_attention.models.generate`` on a ``GPTModel`` against
   transformers' ``generate`` (tokens/s), the weight-streaming bound it runs against, and where
   a decode step's time goes.
-- ``prefill``: the whole model's forward over a prompt against ``GPT2LMHeadModel``'s.
+- ``prefill``: the whole model's forward over a prompt against ``GPT2LMHeadModel``'s, and the
+  same weights' prefill in bfloat16 and int8 against float32's.
 - ``train``: ``flax_attention.models.train_step`` with optax's AdamW against
   ``GPT2LMHeadModel`` with ``torch.optim.AdamW``.
 - ``parts``: the whole model's pieces (LayerNorm, the attention's projections and core, the MLP,
@@ -33,6 +34,10 @@ configuration. Sections:
   prefill (the layer and its core) against full causal attention, its time and its peak memory;
   ``generate`` on each of the book's GPT variants (grouped-query, latent, windows) against the
   book's ``generate_text_simple_cached``.
+- ``products``: the models' weight products alone (``benchmarks.products``), per weight dtype
+  and way (XLA's dot, XLA with YNNPACK's dots, the narrow-weight kernel, oneDNN through
+  ``jax.ffi`` where built, torch), at decode and prefill row counts: what the product entry
+  chooses by.
 
 Every timed Flax module holds the torch module's ``state_dict`` (``flax_attention.load_state_dict``;
 the whole model: ``GPTModel.from_pretrained`` of the transformers model's ``save_pretrained``;
@@ -50,7 +55,7 @@ INSTALL = (
 #: The keys of every JSON row (``None`` where a field does not apply to the row's section).
 ROW_FIELDS = (
     "section",  # speed | memory | decode | compile | generate | prefill | train | parts |
-    # annotated | modern | targets
+    # annotated | modern | products | targets
     "case",  # e.g. "b8_t1024"
     "mode",  # forward | forward+backward | generate | recompute | steps@16 | compile ...
     "framework",  # flax | torch (generate's read-bandwidth rows: numpy | jax | torch)

@@ -287,7 +287,7 @@ def _prefill_train_panels(rows, section):
     panels = []
     key = "prefill / transformers" if section == "prefill" else "train step / transformers"
     goal = MODEL_TARGETS[key]
-    for mode in _unique(r["mode"] for r in rows):
+    for mode in _unique(r["mode"] for r in rows if r["mode"] != "dtype prefill"):
         panels.append(
             _panel(_with(rows, "ratio_vs_sdpa", mode=mode, framework="flax"),
                    "ratio_vs_sdpa", mode, "Flax time / transformers' (< 1: faster)",

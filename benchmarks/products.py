@@ -29,8 +29,9 @@ One call multiplies ``x`` by ``copies`` distinct weight matrices, as many as mak
 ``products_weight_mb`` of float32 weights (more than the caches hold, as a model's layers do),
 so every weight is read from memory; the rows report the time per product. ``value``: weight
 GB/s (bytes as held, per second); ``ratio``: the time over ``xla``'s float32 time at the same
-shape and rows, same run. Every way's result is compared with ``xla``'s of its dtype before
-timing (``max_rel_diff``). Each shape's and row count's calls are timed round-robin
+shape and rows, same run (a way this machine refuses, e.g. oneDNN's bfloat16 product held
+to AVX2, is a skipped row saying why). Every way's result is compared with ``xla``'s of its
+dtype before timing (``max_rel_diff``). Each shape's and row count's calls are timed round-robin
 (``benchmarks.timing.interleaved``).
 """
 
@@ -165,13 +166,17 @@ def run(config, progress=None) -> list[dict]:
     rows = []
     for model, k, n, nk, m in _cases(config):
         copies = max(1, math.ceil(config.products_weight_mb * 1e6 / (4 * k * n)))
-        calls, results, held = {}, {}, {}
+        calls, results, held, refused = {}, {}, {}, {}
         for dtype in DTYPES:
             x, weights, scales = _operands(k, n, nk, dtype, copies, m)
             held[dtype] = sum(w.nbytes for w in weights) + sum(s.nbytes for s in scales)
             for implementation, product in ways(m, dtype).items():
                 fn = functools.partial(_jitted(product, implementation, nk), x, weights, scales)
-                out = jax.block_until_ready(fn())  # compiles
+                try:
+                    out = jax.block_until_ready(fn())  # compiles
+                except jax.errors.JaxRuntimeError as error:  # e.g. oneDNN without bf16 here
+                    refused[dtype, implementation] = str(error).splitlines()[0][:160]
+                    continue
                 results[dtype, implementation] = np.asarray(out[0], np.float32)
                 calls[dtype, implementation] = fn
                 if progress is not None:
@@ -201,6 +206,11 @@ def run(config, progress=None) -> list[dict]:
                     note=f"{copies} products a call; ms per product {per:.3f}",
                 )
             )  # fmt: skip
+        for (dtype, implementation), why in refused.items():
+            rows.append(
+                make_row("products", case, dtype, "flax", implementation, batch=m,
+                         skipped=True, note=f"refused here: {why}")
+            )  # fmt: skip
     return rows
 
 
@@ -209,9 +219,10 @@ def format_rows(rows: list[dict], table) -> str:
     headers = ["case", "dtype", "implementation", "ms/product", "GB/s", "/xla f32",
                "max diff (rel)"]  # fmt: skip
     lines = [
-        [r["case"], r["mode"], r["implementation"],
-         f"{r['median_ms'] / int(r['note'].split()[0]):.3f}", f"{r['value']:.1f}",
-         f"{r['ratio']:.2f}", f"{r['max_rel_diff']:.1e}"]
+        [r["case"], r["mode"], r["implementation"], "-", "-", "-", r["note"]] if r["skipped"]
+        else [r["case"], r["mode"], r["implementation"],
+              f"{r['median_ms'] / int(r['note'].split()[0]):.3f}", f"{r['value']:.1f}",
+              f"{r['ratio']:.2f}", f"{r['max_rel_diff']:.1e}"]
         for r in rows
     ]  # fmt: skip
     if not lines:

@@ -47,8 +47,9 @@ NARROW_ROWS = {jnp.dtype(jnp.bfloat16): 16, jnp.dtype(jnp.int8): 32}
 
 def narrow_product_ok(rows: int, weight) -> bool:
     """Whether a product of ``rows`` rows with ``weight`` runs on the narrow-weight kernel: a
-    bfloat16 or int8 weight at up to ``NARROW_ROWS[its dtype]`` rows, on the CPU with the kernel built,
-    outside any mesh (a custom call would gather a sharded weight onto every device)."""
+    bfloat16 or int8 weight at up to ``NARROW_ROWS[its dtype]`` rows, on the CPU with the
+    kernel built, outside any mesh (a custom call would gather a sharded weight onto every
+    device)."""
     # float32: XLA's products (the kernel's float32 path is for the benchmarks)
     if not 1 <= rows <= NARROW_ROWS.get(jnp.dtype(weight.dtype), 0) or weight.ndim != 2:
         return False

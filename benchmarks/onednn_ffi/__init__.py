@@ -7,8 +7,9 @@ the output columns (for int8 weights it is oneDNN's per-N weights scale).
 
 Build first (``onednn_ffi.cc`` -> ``_onednn_ffi.so`` beside it)::
 
-    ONEDNN_ROOT=/work/w-onednn-lib/gomp PYTHON=/work/main/.venv/bin/python \\
-        bash benchmarks/onednn_ffi/build.sh
+    pip download --no-deps -d wheels onednn-cpu-gomp==2023.2.0 onednn-devel-cpu-gomp==2023.2.0
+    mkdir -p onednn && for w in wheels/*.whl; do unzip -qo "$w" -d onednn; done
+    ONEDNN_ROOT=<onednn/'s folder of include/ and lib/> bash benchmarks/onednn_ffi/build.sh
 
 ``ONEDNN_ROOT`` is a private prefix with ``include/oneapi/dnnl/dnnl.hpp`` and ``lib/libdnnl.so.3``
 (the library's rpath points there). The prefix used so far is PyPI's ``onednn-cpu-gomp`` 2023.2.0

@@ -50,6 +50,7 @@ def test_rows_have_every_field_and_every_section(quick_run):
         "parts",
         "annotated",
         "modern",
+        "products",
         "targets",
     }, sections
 
@@ -65,7 +66,7 @@ def test_times_and_quantities_are_finite_and_positive(quick_run):
         if row["value"] is not None:
             assert math.isfinite(row["value"]) and row["value"] > 0, (name, row["value"])
     for section in ("memory", "decode", "compile", "generate", "prefill", "train", "parts",
-                    "annotated", "modern"):  # fmt: skip
+                    "annotated", "modern", "products"):  # fmt: skip
         assert _measured(rows, section), f"section {section} measured nothing"
 
 
@@ -84,18 +85,59 @@ def test_speed_covers_every_implementation_against_both_torch_modules(quick_run)
 def test_flax_equals_torch_in_every_compared_row(quick_run):
     rows = quick_run.data["rows"]
     compared = [r for r in rows if r["max_rel_diff"] is not None and not r["skipped"]]
+    # narrower weights are compared with their own kind (test_dtype_rows_...), not to 1e-5
+    compared = [r for r in compared if not _narrower(r)]
     flax_rows = [r for r in compared if r["framework"] == "flax"]
     # every flax speed row (outputs; gradients w.r.t. input and every parameter), generation,
     # the whole model's logits and its training losses, its parts' outputs and input gradients,
     # the Annotated Transformer's training losses, the book's modern layers (and generated tokens)
     assert {r["section"] for r in flax_rows} == {
-        "speed", "decode", "prefill", "train", "parts", "annotated", "modern"
+        "speed", "decode", "prefill", "train", "parts", "annotated", "modern", "products"
     }  # fmt: skip
     assert any(r["mode"] == "forward+backward" for r in flax_rows)
     for row in compared:
         name = f"{row['section']}/{row['case']}/{row['mode']}/{row['implementation']}"
         assert 0.0 <= row["max_rel_diff"] <= MAX_REL_DIFF, f"{name}: {row['max_rel_diff']:.2e}"
         assert row["max_abs_diff"] <= MAX_REL_DIFF * 1e4, f"{name}: {row['max_abs_diff']:.2e}"
+
+
+def _narrower(row) -> bool:
+    """A row of bfloat16 or int8 weights (``products``' and ``dtype prefill``'s)."""
+    if row["section"] == "products":
+        return row["mode"] != "float32"
+    return row["mode"] == "dtype prefill" and row["implementation"] != "float32"
+
+
+def test_dtype_rows_hold_each_dtype_and_way_against_its_reference(quick_run):
+    """``products``: every weight dtype and way at each shape, each against XLA's product of
+    the same dtype (bfloat16 differs by its rounding: XLA's result is bfloat16, the kernels'
+    float32), the ratio over XLA's float32 time; ``dtype prefill``: each dtype's last logits
+    against transformers' in the same dtype (int8: float32, so its quantization error)."""
+    rows = quick_run.data["rows"]
+    products = _measured(rows, "products")
+    cases = {r["case"] for r in products}
+    assert cases == {"tiny_head_32x101_m1"}, cases
+    ways = {(r["mode"], r["implementation"]) for r in products}
+    for dtype in ("float32", "bfloat16", "int8"):
+        assert {(dtype, "xla"), (dtype, "xla+ynn")} <= ways, (dtype, ways)
+    assert ("float32", "torch") in ways and ("bfloat16", "torch") in ways
+    base = [r for r in products if (r["mode"], r["implementation"]) == ("float32", "xla")]
+    assert base[0]["ratio"] == 1.0 and base[0]["max_rel_diff"] == 0.0
+    for row in products:
+        bound = {"float32": MAX_REL_DIFF, "bfloat16": 2**-7, "int8": MAX_REL_DIFF}[row["mode"]]
+        assert 0.0 <= row["max_rel_diff"] <= bound, row
+        assert row["ratio"] > 0 and row["unit"] == "weight GB/s"
+    prefill = [r for r in _measured(rows, "prefill") if r["mode"] == "dtype prefill"]
+    held = {(r["framework"], r["implementation"]): r for r in prefill}
+    assert set(held) == {("flax", d) for d in ("float32", "bfloat16", "int8")} | {
+        ("torch", "float32"), ("torch", "bfloat16")}  # fmt: skip
+    assert held["flax", "float32"]["ratio"] == 1.0
+    assert held["torch", "float32"]["max_rel_diff"] == 0.0  # every row against it
+    assert held["flax", "float32"]["max_rel_diff"] <= MAX_REL_DIFF
+    # bfloat16 within the report's bound: 1.5x torch's own bfloat16 model's error
+    assert held["flax", "bfloat16"]["max_rel_diff"] <= 1.5 * held["torch", "bfloat16"][
+        "max_rel_diff"]  # fmt: skip
+    assert 0 < held["flax", "int8"]["max_rel_diff"] <= 2**-5  # int8's rounding, not a bug's
 
 
 def test_memory_decode_and_compile_rows_measure_what_they_say(quick_run):
