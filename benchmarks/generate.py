@@ -228,6 +228,7 @@ def _dtype_models(context) -> dict:
             ),
             fa.state_dict(model),
         )
+        bf16.eval()  # as the float32 model: generate sets it, a plain forward does not
         torch_bf16 = copy.deepcopy(context["models"]["sdpa"]).to(torch.bfloat16)
         context["dtype models"] = {
             ("flax", "float32"): model,

@@ -234,10 +234,11 @@ class _GPT(_Runner):
         return reference, actual
 
     def _inputs(self) -> dict[str, np.ndarray]:
-        """The inference rows' inputs: the first batch (prefill-sized) and its first 7 ids
-        (decode-sized: 14 rows, within the narrow-weight kernel's ``NARROW_ROWS``)."""
+        """The inference rows' inputs: the first batch (prefill-sized: 32 rows, XLA's products
+        in bfloat16, the narrow-weight kernel's with int8) and its first 2 ids (decode-sized: 4
+        rows, the kernel's in both; ``_layers.NARROW_ROWS``)."""
         x = self.batches[0][0]
-        return {"logits (2x16)": x, "logits (2x7)": x[:, :7]}
+        return {"logits (2x16)": x, "logits (2x2)": x[:, :2]}
 
     def int8(self, backend):
         """``models.quantize(model, "int8")`` against the book's model holding its dequantized

@@ -37,12 +37,14 @@ __all__ = [
 ]
 
 #: The most rows a product sends to the narrow-weight kernel (``kernels.native.narrow``), per
-#: weight dtype: a decode step's batch, and for int8 a short prompt's too. Longer products
-#: (prefill, training) are XLA's. Where each crosses over (the ``products`` benchmark, in
-#: docs/performance.md): bfloat16 at 32 rows is XLA's at 1.0-1.1x float32's time against the
-#: kernel's 1.25-1.3x; int8 at 32 rows is the kernel's at 1.1-1.26x against XLA's 3.3-3.5x
-#: (XLA converts the whole int8 matrix to float32 in memory first).
-NARROW_ROWS = {jnp.dtype(jnp.bfloat16): 16, jnp.dtype(jnp.int8): 32}
+#: weight dtype: a decode step's few rows, and for int8 a short prompt's too. Longer products
+#: are XLA's. Where each crosses over (the ``products`` benchmark, docs/performance.md,
+#: "Products per weight dtype"): bfloat16 from 2 rows on XLA's product (a float32 result) runs
+#: at 0.5-0.76 of float32's time, the kernel's at 0.4-0.63 up to 4 rows, 0.7-0.76 at 8 and
+#: 1.0-1.3 at 16 (at one row XLA's takes 6-9x: it widens the whole matrix first); int8 at 32
+#: rows is the kernel's at 1.0-1.3x float32's time against XLA's 2.4-3.3x (XLA converts the
+#: whole matrix to float32 in memory first).
+NARROW_ROWS = {jnp.dtype(jnp.bfloat16): 4, jnp.dtype(jnp.int8): 32}
 
 
 def narrow_product_ok(rows: int, weight) -> bool:
