@@ -11,7 +11,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 
 from benchmarks import onednn_ffi
@@ -19,9 +18,9 @@ from benchmarks import onednn_ffi
 CASES = [  # (name, x dtype, w dtype, scaled)
     ("f32", np.float32, np.float32, False),
     ("f32+scale", np.float32, np.float32, True),
-    ("bf16", ml_dtypes.bfloat16, ml_dtypes.bfloat16, False),
+    ("bf16", jnp.bfloat16, jnp.bfloat16, False),
     ("f32 x s8+scale", np.float32, np.int8, True),
-    ("bf16 x s8+scale", ml_dtypes.bfloat16, np.int8, True),
+    ("bf16 x s8+scale", jnp.bfloat16, np.int8, True),
 ]
 
 

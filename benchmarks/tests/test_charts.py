@@ -114,7 +114,11 @@ def test_memory_decode_and_generate_charts_hold_the_rows_ratios(quick_run):
     for section, key in (("prefill", "prefill / transformers"),
                          ("train", "train step / transformers")):  # fmt: skip
         chart = charts.chart_data(rows, section)
-        flax = [r for r in _measured(rows, section) if r["framework"] == "flax"]
+        flax = [
+            r
+            for r in _measured(rows, section)
+            if r["framework"] == "flax" and r["mode"] != "dtype prefill"
+        ]  # against Flax float32: the targets' rows
         assert [p.title for p in chart.panels] == [r["mode"] for r in flax]
         for panel, row in zip(chart.panels, flax):
             assert panel.value(row["implementation"], row["case"]) == row["ratio_vs_sdpa"]

@@ -138,6 +138,12 @@ def test_dtype_rows_hold_each_dtype_and_way_against_its_reference(quick_run):
     assert held["flax", "bfloat16"]["max_rel_diff"] <= 1.5 * held["torch", "bfloat16"][
         "max_rel_diff"]  # fmt: skip
     assert 0 < held["flax", "int8"]["max_rel_diff"] <= 2**-5  # int8's rounding, not a bug's
+    goals = {r["target"].split(": ")[0]: r for r in _measured(rows, "targets")
+             if "prefill: time / float32's" in r["target"]}  # fmt: skip
+    case = held["flax", "int8"]["case"]
+    assert set(goals) == {f"{case} bfloat16 prefill", f"{case} int8 prefill"}, goals
+    for dtype in ("bfloat16", "int8"):
+        assert goals[f"{case} {dtype} prefill"]["value"] == held["flax", dtype]["ratio"]
 
 
 def test_memory_decode_and_compile_rows_measure_what_they_say(quick_run):
@@ -186,15 +192,19 @@ def test_prefill_and_train_rows_compare_flax_with_transformers(quick_run):
     rows = quick_run.data["rows"]
     for section, modes in (("prefill", {"last-position logits", "all logits"}),
                            ("train", {"train step"})):  # fmt: skip
-        measured = _measured(rows, section)
-        assert {r["mode"] for r in measured} == modes
+        measured = [r for r in _measured(rows, section) if r["mode"] != "dtype prefill"]
+        assert {r["mode"] for r in measured} == modes  # dtype prefill: test_dtype_rows_...
         for mode in modes:
             pair = {r["framework"]: r for r in measured if r["mode"] == mode}
             assert set(pair) == {"flax", "torch"}
             ratio = pair["flax"]["median_ms"] / pair["torch"]["median_ms"]
             assert pair["flax"]["ratio_vs_sdpa"] == pytest.approx(ratio)
             assert pair["flax"]["max_rel_diff"] is not None  # compared before timing
-        goals = [r for r in _measured(rows, "targets") if r["case"] == measured[0]["case"]]
+        goals = [
+            r
+            for r in _measured(rows, "targets")
+            if r["case"] == measured[0]["case"] and "time / transformers'" in r["target"]
+        ]  # not the dtype prefill goals
         assert len(goals) == len(modes)
         key = "prefill / transformers" if section == "prefill" else "train step / transformers"
         for goal in goals:

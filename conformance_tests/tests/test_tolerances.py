@@ -105,7 +105,7 @@ CORRUPTED = {
     ("float32", "forward:documents"): ("doc_mha_2heads", "forward", "float32", None, scaled, 3e-6),
     ("float32", "forward"): ("mha_odd_heads", "forward", "float32", None, scaled, 3e-5),
     ("float32", "grad"): ("mha_odd_heads", "grad", "float32", None, scaled, 3e-5),
-    ("float32", "dropout"): ("doc_causal_batch", "dropout", "float32", None, scaled, 3e-5),
+    ("float32", "dropout"): ("doc_mha_2heads", "dropout", "float32", None, scaled, 3e-5),
     ("float32", "mask"): ("doc_causal_batch", "mask", "float32", None, leaky, 3e-6),
     ("bfloat16", "forward"): ("mha_odd_heads", "dtype", "bfloat16", None, scaled, 0.18),
     ("float16", "forward"): ("mha_odd_heads", "dtype", "float16", None, scaled, 0.024),
