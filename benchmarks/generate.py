@@ -78,7 +78,7 @@ from flax_attention.models import GPTModel, generate, quantize
 from flax_attention.models.generation import next_token
 from flax_attention.models.quantized import Int8Weight, WeightScale
 
-__all__ = ["format_rows", "plan_calls", "run"]
+__all__ = ["dtype_models", "format_rows", "plan_calls", "run"]
 
 #: Torch's callables in the generate rounds, after Flax's.
 TORCH_ATTENTIONS = ("eager", "sdpa")
@@ -217,9 +217,11 @@ def _run_batch(config, context, batch, progress):
     return rows
 
 
-def _dtype_models(context) -> dict:
-    """``{(framework, dtype): model}``, made once: Flax float32, bfloat16 and int8 (the same
-    weights), transformers float32 and bfloat16."""
+def dtype_models(context) -> dict:
+    """``{(framework, dtype): model}``, made once per ``context`` (``{"model": the Flax float32
+    model, "models": {"sdpa": its transformers twin}}``): Flax float32, bfloat16 and int8 (the
+    same weights, eval mode), transformers float32 and bfloat16; the ``generate`` section's and
+    the ``prefill`` section's dtype rows."""
     if "dtype models" not in context:
         model = context["model"]
         bf16 = loaded(
@@ -250,7 +252,7 @@ def _dtype_rows(config, context, batch, case, bandwidth, reader, progress):
     """Tokens/s of generate in each weight dtype and of transformers' float32 and bfloat16
     models, round-robin; each Flax dtype against its own weight-streaming bound (the bytes a
     step reads at that width)."""
-    dtype_models = _dtype_models(context)
+    held = dtype_models(context)
     prompt_len, steps = config.generate_prompt, config.generate_steps
     context_size = context["model"].cfg["context_length"]
     rng = np.random.default_rng(1000 + batch)
@@ -258,7 +260,7 @@ def _dtype_rows(config, context, batch, case, bandwidth, reader, progress):
     prompt = prompt.astype(np.int32)
     prompt_torch = to_torch(prompt.astype(np.int64))
     calls = {}
-    for (framework, dtype), model in dtype_models.items():
+    for (framework, dtype), model in held.items():
         if framework == "flax":
             calls[(framework, dtype)] = functools.partial(
                 generate, model, prompt, steps, context_size
@@ -273,7 +275,7 @@ def _dtype_rows(config, context, batch, case, bandwidth, reader, progress):
                           progress)  # fmt: skip
     per_s = {key: 1e3 * batch * steps / timings[names[key]]["median_ms"] for key in calls}
     rows = []
-    for (framework, dtype), model in dtype_models.items():
+    for (framework, dtype), model in held.items():
         key = (framework, dtype)
         same = ("torch", dtype if dtype != "int8" else "float32")
         vs = per_s[key] / per_s[(framework, "float32")]

@@ -119,10 +119,10 @@ def run(config, progress=None) -> list[dict]:
 
 def _dtype_rows(config, model, hf, progress) -> list[dict]:
     """The ``dtype prefill`` rows: last-position logits in each weight dtype, round-robin."""
-    from benchmarks.generate import _dtype_models
+    from benchmarks.generate import dtype_models
 
     batch, tokens = config.prefill_dtype_shape
-    models = _dtype_models({"model": model, "models": {"sdpa": hf}})
+    models = dtype_models({"model": model, "models": {"sdpa": hf}})
     ids = np.random.default_rng(1).integers(0, model.cfg["vocab_size"], (batch, tokens))
     ids_jax, ids_torch = jax.numpy.asarray(ids, jax.numpy.int32), to_torch(ids)
 

@@ -31,7 +31,8 @@ so every weight is read from memory; the rows report the time per product. ``val
 GB/s (bytes as held, per second); ``ratio``: the time over ``xla``'s float32 time at the same
 shape and rows, same run (a way this machine refuses, e.g. oneDNN's bfloat16 product held
 to AVX2, is a skipped row saying why). Every way's result is compared with ``xla``'s of its
-dtype before timing (``max_rel_diff``). Each shape's and row count's calls are timed round-robin
+dtype before timing (``max_rel_diff``), every copy's product: a way beyond ``AGREE`` is not
+timed (a skipped row says by how much). Each shape's and row count's calls are timed round-robin
 (``benchmarks.timing.interleaved``).
 """
 
@@ -47,12 +48,16 @@ import numpy as np
 from benchmarks.rows import make_row, max_diffs
 from benchmarks.timing import interleaved
 
-__all__ = ["DTYPES", "NARROW_MAX", "RATIO_OF", "ways", "plan_calls", "run"]
+__all__ = ["AGREE", "DTYPES", "NARROW_MAX", "RATIO_OF", "plan_calls", "run", "ways"]
 
 DTYPES = ("float32", "bfloat16", "int8")
 #: The most rows timed on the narrow kernel (it takes 8 rows a pass).
 NARROW_MAX = 32
 RATIO_OF = "time / xla float32's, same shape and rows"
+#: The most a way's products may differ from XLA's of their dtype (relative, as ``max_diffs``)
+#: and still be timed: float32 sums in another order; bfloat16 XLA's result rounded to bfloat16
+#: (half an ulp, 2^-9) against the others' float32.
+AGREE = {"float32": 1e-4, "bfloat16": 2**-7, "int8": 1e-4}
 _YNN = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
 
 
@@ -156,8 +161,8 @@ def _torch_calls(x, weights, nk, dtype):
         with torch.no_grad():
             return [torch.nn.functional.linear(xt, w) for w in wt]
 
-    def result():
-        return np.asarray(call()[0].float().numpy())
+    def result():  # every copy's, as the Flax ways'
+        return np.stack([out.float().numpy() for out in call()])
 
     return call, result
 
@@ -177,10 +182,19 @@ def run(config, progress=None) -> list[dict]:
                 except jax.errors.JaxRuntimeError as error:  # e.g. oneDNN without bf16 here
                     refused[dtype, implementation] = str(error).splitlines()[0][:160]
                     continue
-                results[dtype, implementation] = np.asarray(out[0], np.float32)
-                calls[dtype, implementation] = fn
                 if progress is not None:
                     progress.update(1)
+                result = np.stack([np.asarray(o, np.float32) for o in out])  # every copy's
+                if implementation != "xla":  # "xla" comes first: the reference of its dtype
+                    _, rel = max_diffs({"p": result}, {"p": results[dtype, "xla"]})
+                    if rel > AGREE[dtype]:
+                        refused[dtype, implementation] = (
+                            f"differs from XLA's product by {rel:.1e} (relative) > "
+                            f"{AGREE[dtype]:g}: not timing a wrong result"
+                        )
+                        continue
+                results[dtype, implementation] = result
+                calls[dtype, implementation] = fn
             if dtype != "int8":
                 call, result = _torch_calls(x, weights, nk, dtype)
                 call()

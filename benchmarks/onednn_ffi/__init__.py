@@ -18,6 +18,10 @@ PyPI's current ``onednn`` 2026.1.0 is a SYCL build (its CPU engine needs a SYCL 
 an OpenCL CPU runtime and the Unified Runtime OpenCL adapter) and could not create a CPU engine
 here. oneDNN 3.2 has no "weights decompression" (``fpmath_mode`` ``apply_to_int`` arrived in 3.4),
 so int8 weights report Unimplemented with that library.
+
+Known wrong: the plain (unpacked) product of a tied head ``(101, 32)`` with ``nk=True`` differs
+from XLA's by about 40% (2026-11-29; GPT-2's and Qwen3's shapes agree to 1e-6): the ``products``
+section compares every way before timing it and refuses such a one.
 """
 
 from __future__ import annotations
