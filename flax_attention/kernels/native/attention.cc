@@ -258,8 +258,9 @@ float* Scratch(size_t size) {
 // head before the tiles.
 //
 // Written once, with GCC / Clang vector extensions over a vector type Vec of W floats, so that
-// the same blocking compiles for every CPU: W = 16 on x86-64-v4 (AVX-512: the 6 x 64 block is 24
-// of the 32 vector registers), 8 on x86-64-v3 (AVX2: each 16 columns two registers), 4 elsewhere.
+// the same source compiles for every CPU: W = 16 on x86-64-v4 (AVX-512: the 6 x 64 block is 24
+// of the 32 vector registers); 8 on x86-64-v3 (AVX2) and 4 elsewhere, with blocks of 6 x 16 (12
+// of the 16 registers: a 6 x 64 block would want 48 and spill).
 // The portable x86-64 build compiles one copy per level (function multiversioning: the loader
 // picks the widest this CPU runs, as for WIDEST_VECTORS); a one-arch build, one copy for its
 // -march. MicroKernel, below, says where it runs.
@@ -344,6 +345,12 @@ inline void MicroGemmOf(int64_t m, int64_t n, int64_t k_len, const float* A, int
                         int64_t ak, const float* B, int64_t ldb, float* C, int64_t ldc,
                         float alpha, bool accumulate) {
   int64_t j = 0;
+  if constexpr (kWidth<Vec> < 16) {
+    // 16 vector registers (AVX2 and below): 6 x 64 would need 48 accumulators; 6 x 16, 12.
+    for (; j < n; j += 16)
+      MicroColumns<Vec, 1>(m, k_len, A, am, ak, B + j, ldb, C + j, ldc, alpha, accumulate);
+    return;
+  }
   for (; j + 64 <= n; j += 64)
     MicroColumns<Vec, 4>(m, k_len, A, am, ak, B + j, ldb, C + j, ldc, alpha, accumulate);
   switch ((n - j) / 16) {
@@ -608,9 +615,9 @@ void BackwardKeyHead(const Attention& a, int64_t b, int64_t kvh, const float* ou
 // Whether the products run on the micro-kernel, head dims aside. The call's `products` attribute
 // chooses: 1 the BLAS, 2 the micro-kernel (wherever it is built: how the tests run it on every
 // CPU). 0, the default: the micro-kernel where its copy for this CPU has 16-float vectors
-// (AVX-512), the BLAS elsewhere: with 8-float vectors (AVX2) the 6 x 64 block wants 48
-// accumulators of the 16 registers, and the spills make it slower than the BLAS (measured:
-// docs/performance.md, "The micro-kernel on every CPU").
+// (AVX-512), the BLAS elsewhere: with 8-float vectors (AVX2) its 6 x 16 blocks run at about the
+// BLAS's speed, a little slower on the forward (measured: docs/performance.md, "The micro-kernel
+// on every CPU").
 constexpr int32_t kProductsBlas = 1, kProductsMicro = 2;
 
 bool MicroKernel(int32_t products) {
