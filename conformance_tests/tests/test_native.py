@@ -294,6 +294,63 @@ def test_micro_kernel_equals_reference(case):
         _assert_close(expected, _run(kernel, q, k, v, cotangent), what)
 
 
+def _micro_gemm_at(width, a, b, c, *, trans_a, alpha, accumulate):
+    """``c = alpha op(a) b (+ c)`` on the library's copy of the products with ``width`` floats per
+    vector (``op(a)`` is ``a.T`` when ``trans_a``: the kernel's ``dS^T`` form, read with strides);
+    False where that copy is not here."""
+    import ctypes
+
+    floats = ctypes.POINTER(ctypes.c_float)
+    function = native._LIBRARY[0].FlaxAttentionMicroGemmAt
+    function.restype = ctypes.c_int
+    i64 = ctypes.c_int64
+    m, k_len = (a.shape[1], a.shape[0]) if trans_a else a.shape
+    am, ak = (1, a.shape[1]) if trans_a else (a.shape[1], 1)
+    return bool(
+        function(
+            ctypes.c_int(width), i64(m), i64(b.shape[1]), i64(k_len),
+            a.ctypes.data_as(floats), i64(am), i64(ak), b.ctypes.data_as(floats),
+            i64(b.shape[1]), c.ctypes.data_as(floats), i64(c.shape[1]),
+            ctypes.c_float(alpha), ctypes.c_int(int(accumulate)),
+        )
+    )  # fmt: skip
+
+
+@pytest.mark.quick
+@pytestmark_native
+def test_every_copy_of_the_micro_kernel_multiplies_right():
+    """Each copy of the products this CPU runs (16-float vectors with AVX-512, 8 with AVX2, 4
+    everywhere), called by its width: the loader runs only the widest, so without this an AVX-512
+    machine never runs the 8-float copy's 6 x 16 blocks. Rows leaving 0 to 5 in the last block of
+    6, columns of 16 to 80 (every tail of 64), strided and transposed ``A``, accumulation into
+    ``C``: all equal to NumPy's product."""
+    if native._micro_width() == 0:
+        pytest.skip("the library has no micro-kernel (a compiler without vector shuffles)")
+    rng = np.random.default_rng(7)
+    ran = []
+    for width in (16, 8, 4):
+        for m, n, k_len, trans_a, accumulate in itertools.product(
+            (1, 5, 6, 13), (16, 48, 80), (3, 64), (False, True), (False, True)
+        ):
+            a = rng.standard_normal((k_len, m) if trans_a else (m, k_len)).astype(np.float32)
+            b = rng.standard_normal((k_len, n)).astype(np.float32)
+            c = rng.standard_normal((m, n)).astype(np.float32)
+            expected = 0.5 * ((a.T if trans_a else a).astype(np.float64) @ b)
+            expected += c if accumulate else 0
+            if not _micro_gemm_at(
+                width, a, b, c, trans_a=trans_a, alpha=0.5, accumulate=accumulate
+            ):
+                break  # this CPU does not run the copy
+            np.testing.assert_allclose(
+                c, expected, rtol=1e-5, atol=1e-4,
+                err_msg=f"{width}-float copy, m {m} n {n} k {k_len} trans_a {trans_a}",
+            )  # fmt: skip
+        else:
+            ran.append(width)
+    assert native._micro_width() in ran, (ran, native._micro_width())
+    assert 4 in ran or not native._per_cpu_copies(), ran
+
+
 #: Cases whose head dims are multiples of 16 (the micro-kernel's, by default where the CPU has
 #: AVX-512), run again on the BLAS's products: both ways equal ``reference``.
 BLAS_CASES = ["tiles_65_causal", "head_dim_256", "cross_7_11", "mask_bhts_causal"]

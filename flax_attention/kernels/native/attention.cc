@@ -430,6 +430,22 @@ FLAX_ATTENTION_MICRO_COPY(__attribute__((flatten)), Vec8)
 FLAX_ATTENTION_MICRO_COPY(__attribute__((flatten)), Vec4)
 #endif
 #undef FLAX_ATTENTION_MICRO_COPY
+
+// Each copy of the products by its vector width, for the tests (FlaxAttentionMicroGemmAt): the
+// loader runs only the widest copy this CPU has, so an AVX-512 machine would otherwise never run
+// the 8- and 4-float copies that AVX2 and older machines run.
+#define FLAX_ATTENTION_MICRO_AT(attributes, Vec, name)                                          \
+  attributes void name(int64_t m, int64_t n, int64_t k_len, const float* A, int64_t am,        \
+                       int64_t ak, const float* B, int64_t ldb, float* C, int64_t ldc,         \
+                       float alpha, bool accumulate) {                                         \
+    MicroGemmOf<Vec>(m, n, k_len, A, am, ak, B, ldb, C, ldc, alpha, accumulate);               \
+  }
+#if FLAX_ATTENTION_CLONES
+FLAX_ATTENTION_MICRO_AT(__attribute__((target("arch=x86-64-v4"), flatten)), Vec16, MicroGemm16)
+FLAX_ATTENTION_MICRO_AT(__attribute__((target("arch=x86-64-v3"), flatten)), Vec8, MicroGemm8)
+FLAX_ATTENTION_MICRO_AT(__attribute__((flatten)), Vec4, MicroGemm4)
+#endif
+#undef FLAX_ATTENTION_MICRO_AT
 #else
 int MicroWidth() { return 0; }
 void MicroGemm(int64_t, int64_t, int64_t, const float*, int64_t, int64_t, const float*, int64_t,
@@ -762,6 +778,34 @@ extern "C" int FlaxAttentionMicroKernel() { return MicroKernel(0); }
 // The floats per vector of the micro-kernel's copy for this CPU: 16 (AVX-512), 8 (AVX), 4; 0
 // where it is not built.
 extern "C" int FlaxAttentionMicroWidth() { return MicroWidth(); }
+
+// C (m x n) = alpha A B (+ C where accumulate), as the kernel's products compute it (MicroGemm),
+// by the copy with `width` floats per vector: 16, 8 or 4 in the portable build where this CPU
+// runs that copy, the one copy's width otherwise. Returns 0 (and computes nothing) where that
+// copy is not here. For the tests only.
+extern "C" int FlaxAttentionMicroGemmAt(int width, int64_t m, int64_t n, int64_t k_len,
+                                        const float* A, int64_t am, int64_t ak, const float* B,
+                                        int64_t ldb, float* C, int64_t ldc, float alpha,
+                                        int accumulate) {
+#if FLAX_ATTENTION_MICRO && FLAX_ATTENTION_CLONES
+  __builtin_cpu_init();
+  if (width == 16 && __builtin_cpu_supports("x86-64-v4"))
+    MicroGemm16(m, n, k_len, A, am, ak, B, ldb, C, ldc, alpha, accumulate != 0);
+  else if (width == 8 && __builtin_cpu_supports("x86-64-v3"))
+    MicroGemm8(m, n, k_len, A, am, ak, B, ldb, C, ldc, alpha, accumulate != 0);
+  else if (width == 4)
+    MicroGemm4(m, n, k_len, A, am, ak, B, ldb, C, ldc, alpha, accumulate != 0);
+  else
+    return 0;
+  return 1;
+#elif FLAX_ATTENTION_MICRO
+  if (width != MicroWidth()) return 0;
+  MicroGemm(m, n, k_len, A, am, ak, B, ldb, C, ldc, alpha, accumulate != 0);
+  return 1;
+#else
+  return 0;
+#endif
+}
 
 // 1 where the hot functions have one copy per x86-64 level, the widest this CPU runs picked at
 // load (the portable build); 0 for one copy (FLAX_ATTENTION_MARCH, other compilers, machines).
