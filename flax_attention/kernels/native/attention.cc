@@ -405,13 +405,17 @@ inline void TransposeOf(const float* x, int64_t s, int64_t count, int64_t ld, fl
   for (int64_t c = 0; c < count; ++c) std::fill(xt + c * sp + zero_from, xt + (c + 1) * sp, 0.0f);
 }
 
+// A copy of the products with Vec's lanes, as `name`.
+#define FLAX_ATTENTION_GEMM_COPY(attributes, Vec, name)                                         \
+  attributes void name(int64_t m, int64_t n, int64_t k_len, const float* A, int64_t am,        \
+                       int64_t ak, const float* B, int64_t ldb, float* C, int64_t ldc,         \
+                       float alpha, bool accumulate) {                                         \
+    MicroGemmOf<Vec>(m, n, k_len, A, am, ak, B, ldb, C, ldc, alpha, accumulate);               \
+  }
+
 // The copies: MicroGemm and Transpose with Vec's lanes, and MicroWidth, W.
 #define FLAX_ATTENTION_MICRO_COPY(attributes, Vec)                                              \
-  attributes void MicroGemm(int64_t m, int64_t n, int64_t k_len, const float* A, int64_t am,   \
-                            int64_t ak, const float* B, int64_t ldb, float* C, int64_t ldc,    \
-                            float alpha, bool accumulate) {                                    \
-    MicroGemmOf<Vec>(m, n, k_len, A, am, ak, B, ldb, C, ldc, alpha, accumulate);               \
-  }                                                                                            \
+  FLAX_ATTENTION_GEMM_COPY(attributes, Vec, MicroGemm)                                         \
   attributes void Transpose(const float* x, int64_t s, int64_t count, int64_t ld, float* xt,   \
                             int64_t sp) {                                                      \
     TransposeOf<Vec>(x, s, count, ld, xt, sp);                                                 \
@@ -422,6 +426,12 @@ inline void TransposeOf(const float* x, int64_t s, int64_t count, int64_t ld, fl
 FLAX_ATTENTION_MICRO_COPY(__attribute__((target("arch=x86-64-v4"), flatten)), Vec16)
 FLAX_ATTENTION_MICRO_COPY(__attribute__((target("arch=x86-64-v3"), flatten)), Vec8)
 FLAX_ATTENTION_MICRO_COPY(__attribute__((target("default"), flatten)), Vec4)
+// Each copy of the products by its width as well, for the tests (FlaxAttentionMicroGemmAt): the
+// loader runs only the widest copy this CPU has, so an AVX-512 machine would otherwise never run
+// the 8- and 4-float copies that AVX2 and older machines run.
+FLAX_ATTENTION_GEMM_COPY(__attribute__((target("arch=x86-64-v4"), flatten)), Vec16, MicroGemm16)
+FLAX_ATTENTION_GEMM_COPY(__attribute__((target("arch=x86-64-v3"), flatten)), Vec8, MicroGemm8)
+FLAX_ATTENTION_GEMM_COPY(__attribute__((flatten)), Vec4, MicroGemm4)
 #elif defined(__AVX512F__)
 FLAX_ATTENTION_MICRO_COPY(__attribute__((flatten)), Vec16)
 #elif defined(__AVX__)
@@ -430,22 +440,7 @@ FLAX_ATTENTION_MICRO_COPY(__attribute__((flatten)), Vec8)
 FLAX_ATTENTION_MICRO_COPY(__attribute__((flatten)), Vec4)
 #endif
 #undef FLAX_ATTENTION_MICRO_COPY
-
-// Each copy of the products by its vector width, for the tests (FlaxAttentionMicroGemmAt): the
-// loader runs only the widest copy this CPU has, so an AVX-512 machine would otherwise never run
-// the 8- and 4-float copies that AVX2 and older machines run.
-#define FLAX_ATTENTION_MICRO_AT(attributes, Vec, name)                                          \
-  attributes void name(int64_t m, int64_t n, int64_t k_len, const float* A, int64_t am,        \
-                       int64_t ak, const float* B, int64_t ldb, float* C, int64_t ldc,         \
-                       float alpha, bool accumulate) {                                         \
-    MicroGemmOf<Vec>(m, n, k_len, A, am, ak, B, ldb, C, ldc, alpha, accumulate);               \
-  }
-#if FLAX_ATTENTION_CLONES
-FLAX_ATTENTION_MICRO_AT(__attribute__((target("arch=x86-64-v4"), flatten)), Vec16, MicroGemm16)
-FLAX_ATTENTION_MICRO_AT(__attribute__((target("arch=x86-64-v3"), flatten)), Vec8, MicroGemm8)
-FLAX_ATTENTION_MICRO_AT(__attribute__((flatten)), Vec4, MicroGemm4)
-#endif
-#undef FLAX_ATTENTION_MICRO_AT
+#undef FLAX_ATTENTION_GEMM_COPY
 #else
 int MicroWidth() { return 0; }
 void MicroGemm(int64_t, int64_t, int64_t, const float*, int64_t, int64_t, const float*, int64_t,
