@@ -2,11 +2,12 @@
 weight dtype and each way of running it, so the product entry (``flax_attention._layers``,
 ``rows_dot_general``) can take the fastest per shape class by measurement.
 
-Shapes (``products_shapes``): GPT-2 small's MLP products ``768 x 3072`` and ``3072 x 768``
-and its tied head ``x @ E.T`` (``E`` ``(50257, 768)``), and a Qwen3-0.6B-sized model's
-``1024 x 3072``, ``3072 x 1024`` and head (``(151936, 1024)``), at ``m`` rows in
-``products_rows`` (1 and 8: decode steps; 32: a short prompt; 512: a prefill; the heads only
-up to 32, as a prefill needs the last position's logits). Weights (random normal, std 0.02):
+Shapes (``products_shapes``): GPT-2 small's attention projections ``768 x 768``, its MLP
+products ``768 x 3072`` and ``3072 x 768`` and its tied head ``x @ E.T`` (``E`` ``(50257,
+768)``), and a Qwen3-0.6B-sized model's ``1024 x 3072``, ``3072 x 1024`` and head (``(151936,
+1024)``), at ``m`` rows in ``products_rows`` (1 and 8: decode steps; 32: a short prompt; 512: a
+prefill; the heads only up to 32, as a prefill needs the last position's logits). Weights
+(random normal, std 0.02):
 
 - ``float32``; ``bfloat16`` (activations bfloat16 too, as a bfloat16 model's); ``int8`` (one
   float32 scale per output feature, activations float32, as ``models.quantize``'s).
@@ -18,7 +19,8 @@ Ways (``implementation``), each jitted, every one in the same run:
   dequantized matrix (``models.quantized``).
 - ``xla+ynn``: the same program compiled with ``xla_cpu_experimental_ynn_fusion_type =
   INDIVIDUAL_DOT`` (every dot a YNNPACK fusion, the operands at their own width).
-- ``narrow``: ``kernels.native.narrow.matmul`` (where built), rows up to ``NARROW_MAX``.
+- ``narrow``: ``kernels.native.narrow.matmul`` (where built): up to 15 rows each weight widened
+  in registers per pass of 8 rows, from 16 rows once into a float32 panel per block.
 - ``onednn``: oneDNN's matmul through ``jax.ffi`` (``benchmarks.onednn_ffi``, where built;
   float32 and bfloat16: the oneDNN on PyPI that runs here, 3.2, has no int8-weight product);
   ``onednn packed``: the same with each weight reordered once into oneDNN's own layout.
@@ -48,11 +50,11 @@ import numpy as np
 from benchmarks.rows import make_row, max_diffs
 from benchmarks.timing import interleaved
 
-__all__ = ["AGREE", "DTYPES", "NARROW_MAX", "RATIO_OF", "plan_calls", "run", "ways"]
+__all__ = ["AGREE", "DTYPES", "HEAD_MAX", "RATIO_OF", "plan_calls", "run", "ways"]
 
 DTYPES = ("float32", "bfloat16", "int8")
-#: The most rows timed on the narrow kernel (it takes 8 rows a pass).
-NARROW_MAX = 32
+#: The most rows a head is timed at (a prefill needs one position's logits).
+HEAD_MAX = 32
 RATIO_OF = "time / xla float32's, same shape and rows"
 #: The most a way's products may differ from XLA's of their dtype (relative, as ``max_diffs``)
 #: and still be timed: float32 sums in another order; bfloat16 XLA's result rounded to bfloat16
@@ -99,7 +101,7 @@ def ways(m: int, dtype: str) -> dict:
     found = {"xla": _xla_product, "xla+ynn": _xla_product}
     from flax_attention.kernels.native import narrow
 
-    if narrow.available() and m <= NARROW_MAX:
+    if narrow.available():
         found["narrow"] = lambda x, w, scale, nk: narrow.matmul(
             x, w, scale if w.dtype == jnp.int8 else None, nk=nk
         )
@@ -131,7 +133,7 @@ def _cases(config):
     for model, shapes in config.products_shapes.items():
         for k, n, nk in shapes:
             for m in config.products_rows:
-                if nk and m > NARROW_MAX:
+                if nk and m > HEAD_MAX:
                     continue  # a head's prefill needs one position's logits
                 yield model, k, n, nk, m
 

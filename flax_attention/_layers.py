@@ -37,23 +37,27 @@ __all__ = [
 ]
 
 #: The most rows a product sends to the narrow-weight kernel (``kernels.native.narrow``), per
-#: weight dtype: a decode step's few rows, and for int8 a short prompt's too. Longer products
-#: are XLA's. Where each crosses over (the ``products`` benchmark, docs/performance.md,
-#: "Products per weight dtype"): bfloat16 from 2 rows on XLA's product (a float32 result) runs
-#: at 0.5-0.76 of float32's time, the kernel's at 0.4-0.63 up to 4 rows, 0.7-0.76 at 8 and
-#: 1.0-1.3 at 16 (at one row XLA's takes 6-9x: it widens the whole matrix first); int8 at 32
-#: rows is the kernel's at 1.0-1.3x float32's time against XLA's 2.4-3.3x (XLA converts the
-#: whole matrix to float32 in memory first).
-NARROW_ROWS = {jnp.dtype(jnp.bfloat16): 4, jnp.dtype(jnp.int8): 32}
+#: weight dtype (``None``: any number). Where each crosses over (the ``products`` benchmark,
+#: docs/performance.md, "Products per weight dtype"): bfloat16 from 2 rows on XLA's product (a
+#: float32 result) runs at 0.5-0.76 of float32's time, the kernel's at 0.4-0.63 up to 4 rows,
+#: 0.7-0.76 at 8 and 1.0-1.3 at 16 (at one row XLA's takes 6-9x: it widens the whole matrix
+#: first). int8 is the kernel's at every size: XLA has no int8-weight product and converts the
+#: whole matrix to float32 in memory first (2.4-3.9x float32's time at 32 rows, 1.2-1.3x at
+#: 512), where the kernel takes 0.4-1.1x (from 16 rows it widens each block of weights once
+#: into a float32 panel that every block of rows multiplies).
+NARROW_ROWS = {jnp.dtype(jnp.bfloat16): 4, jnp.dtype(jnp.int8): None}
 
 
 def narrow_product_ok(rows: int, weight) -> bool:
     """Whether a product of ``rows`` rows with ``weight`` runs on the narrow-weight kernel: a
-    bfloat16 or int8 weight at up to ``NARROW_ROWS[its dtype]`` rows, on the CPU with the
-    kernel built, outside any mesh (a custom call would gather a sharded weight onto every
-    device)."""
+    bfloat16 weight at up to ``NARROW_ROWS[bfloat16]`` rows, an int8 weight at any number, on
+    the CPU with the kernel built, outside any mesh (a custom call would gather a sharded weight
+    onto every device)."""
     # float32: XLA's products (the kernel's float32 path is for the benchmarks)
-    if not 1 <= rows <= NARROW_ROWS.get(jnp.dtype(weight.dtype), 0) or weight.ndim != 2:
+    dtype = jnp.dtype(weight.dtype)
+    if dtype not in NARROW_ROWS or weight.ndim != 2 or rows < 1:
+        return False
+    if NARROW_ROWS[dtype] is not None and rows > NARROW_ROWS[dtype]:
         return False
     if jax.default_backend() != "cpu" or not jax.sharding.get_abstract_mesh().empty:
         return False

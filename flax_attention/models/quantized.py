@@ -8,12 +8,14 @@ output feature (symmetric: ``scale = max|w| / 127`` over that feature's weights,
 round(w / scale)``; a feature of zeros gets scale 1). Activations, biases, norms, the positional
 embedding and the decode caches keep the model's dtypes; every product accumulates in float32.
 
-A decode step's or a short prompt's products (up to ``_layers.NARROW_ROWS`` rows: 32) read the
-int8 weights through the native narrow-weight kernel (``flax_attention.kernels.native.narrow``),
-a quarter of float32's bytes; longer products (a long prompt's prefill) and machines without
-the kernel multiply by the dequantized matrix in XLA. ``flax_attention.state_dict(q)`` gives the
-dequantized weights in the model's names, so the book's torch ``GPTModel`` loads them;
-quantizing a model that holds the dequantized weights gives the same int8 values and scales.
+Every product reads the int8 weights through the native narrow-weight kernel
+(``flax_attention.kernels.native.narrow``), a quarter of float32's bytes: a decode step's few
+rows widen each weight in registers, a prompt's many rows widen each block of weights once into
+a float32 panel (XLA would first write the whole dequantized matrix). Machines without the
+kernel, and products on a mesh, multiply by the dequantized matrix in XLA.
+``flax_attention.state_dict(q)`` gives the dequantized weights in the model's names, so the
+book's torch ``GPTModel`` loads them; quantizing a model that holds the dequantized weights
+gives the same int8 values and scales.
 
 A quantized model is for inference: taking a gradient through it (training it) is a
 ``TypeError`` that says so, as is loading a state dict into it (load the float model, then

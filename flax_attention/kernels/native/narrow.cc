@@ -18,6 +18,9 @@
 // take more passes.
 // nk: per block of J rows of E (contiguous over k) and R rows of x, R x J vector accumulators
 // over k, summed across lanes at the end.
+// From kPackRows rows (a prompt's prefill), either layout: the weights are widened once per
+// block into a float32 panel in L2 that every block of 6 rows multiplies (PackedRange), as a
+// GEMM packs its operand: the product runs at the FMAs' rate, as XLA's float32 one does.
 // Work is split over XLA's intra-op thread pool by column (kn) or row (nk) ranges.
 //
 // One source, written with GCC / Clang vector extensions over a vector type of W floats and
@@ -82,12 +85,28 @@ template <>
 inline float Scalar<int8_t>(const int8_t* p) { return float(*p); }
 
 #if FLAX_NARROW_VECTORS
+#ifndef FLAX_NARROW_PACK_ROWS
+#define FLAX_NARROW_PACK_ROWS 16
+#endif
+// Products of this many rows or more widen each weight once into a float32 panel that every
+// block of rows multiplies (PackedRange); fewer rows widen it in registers per pass of 8 rows.
+constexpr int64_t kPackRows = FLAX_NARROW_PACK_ROWS;
+
 // One copy's entry: the product over columns [j0, j1) for a weight of element type `type`
 // (0 float, 1 bfloat16, 2 int8).
 #define FLAX_NARROW_PRODUCT                                                                    \
   __attribute__((flatten)) void Product(int type, bool nk, int64_t m, int64_t k, int64_t n,   \
                                         const float* x, const void* w, const float* scale,    \
                                         float* y, int64_t j0, int64_t j1) {                   \
+    if (m >= kPackRows) {                                                                    \
+      switch (type) {                                                                        \
+        case 0: PackedRange<Vec>(nk, m, k, x, (const float*)w, n, scale, y, j0, j1); break;  \
+        case 1: PackedRange<Vec>(nk, m, k, x, (const Bf16*)w, n, scale, y, j0, j1); break;   \
+        case 2: PackedRange<Vec>(nk, m, k, x, (const int8_t*)w, n, scale, y, j0, j1); break; \
+        default: break;                                                                      \
+      }                                                                                      \
+      return;                                                                                \
+    }                                                                                        \
     switch (type * 2 + nk) {                                                                 \
       case 0: KnRange<Vec>(m, k, x, (const float*)w, n, scale, y, j0, j1); break;            \
       case 1: NkRange<Vec>(m, k, x, (const float*)w, n, scale, y, j0, j1); break;            \
