@@ -146,12 +146,7 @@ class Config:
     # (nk: a tied head, x @ E.T with E (n, k)), at each row count
     products_shapes: dict = dataclasses.field(
         default_factory=lambda: {
-            "gpt2": (
-                (768, 768, False),
-                (768, 3072, False),
-                (3072, 768, False),
-                (768, 50257, True),
-            ),
+            "gpt2": ((768, 3072, False), (3072, 768, False), (768, 50257, True)),
             "qwen3": ((1024, 3072, False), (3072, 1024, False), (1024, 151936, True)),
         }
     )

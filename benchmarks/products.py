@@ -2,12 +2,11 @@
 weight dtype and each way of running it, so the product entry (``flax_attention._layers``,
 ``rows_dot_general``) can take the fastest per shape class by measurement.
 
-Shapes (``products_shapes``): GPT-2 small's attention projections ``768 x 768``, its MLP
-products ``768 x 3072`` and ``3072 x 768`` and its tied head ``x @ E.T`` (``E`` ``(50257,
-768)``), and a Qwen3-0.6B-sized model's ``1024 x 3072``, ``3072 x 1024`` and head (``(151936,
-1024)``), at ``m`` rows in ``products_rows`` (1 and 8: decode steps; 32: a short prompt; 512: a
-prefill; the heads only up to 32, as a prefill needs the last position's logits). Weights
-(random normal, std 0.02):
+Shapes (``products_shapes``): GPT-2 small's MLP products ``768 x 3072`` and ``3072 x 768``
+and its tied head ``x @ E.T`` (``E`` ``(50257, 768)``), and a Qwen3-0.6B-sized model's
+``1024 x 3072``, ``3072 x 1024`` and head (``(151936, 1024)``), at ``m`` rows in
+``products_rows`` (1 and 8: decode steps; 32: a short prompt; 512: a prefill; the heads only
+up to 32, as a prefill needs the last position's logits). Weights (random normal, std 0.02):
 
 - ``float32``; ``bfloat16`` (activations bfloat16 too, as a bfloat16 model's); ``int8`` (one
   float32 scale per output feature, activations float32, as ``models.quantize``'s).
