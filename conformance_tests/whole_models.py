@@ -235,8 +235,8 @@ class _GPT(_Runner):
 
     def _inputs(self) -> dict[str, np.ndarray]:
         """The inference rows' inputs: the first batch (prefill-sized: 32 rows, XLA's products
-        in bfloat16, the narrow-weight kernel's with int8) and its first 2 ids (decode-sized: 4
-        rows, the kernel's in both; ``_layers.NARROW_ROWS``)."""
+        in bfloat16, the narrow-weight kernel's float32 panels with int8) and its first 2 ids
+        (decode-sized: 4 rows, the kernel's register path in both; ``_layers.NARROW_ROWS``)."""
         x = self.batches[0][0]
         return {"logits (2x16)": x, "logits (2x2)": x[:, :2]}
 

@@ -19,8 +19,8 @@
 // nk: per block of J rows of E (contiguous over k) and R rows of x, R x J vector accumulators
 // over k, summed across lanes at the end.
 // From kPackRows rows (a prompt's prefill), either layout: the weights are widened once per
-// block into a float32 panel in L2 that every block of 6 rows multiplies (PackedRange), as a
-// GEMM packs its operand: the product runs at the FMAs' rate, as XLA's float32 one does.
+// block into a float32 panel in L2 that every block of rows multiplies (PackedKn, PackedNk), as
+// a GEMM packs its operand: the product runs at the FMAs' rate, as XLA's float32 one does.
 // Work is split over XLA's intra-op thread pool by column (kn) or row (nk) ranges.
 //
 // One source, written with GCC / Clang vector extensions over a vector type of W floats and
@@ -89,7 +89,8 @@ inline float Scalar<int8_t>(const int8_t* p) { return float(*p); }
 #define FLAX_NARROW_PACK_ROWS 16
 #endif
 // Products of this many rows or more widen each weight once into a float32 panel that every
-// block of rows multiplies (PackedRange); fewer rows widen it in registers per pass of 8 rows.
+// block of rows multiplies (PackedKn, PackedNk); fewer rows widen it in registers per pass of 8
+// rows.
 constexpr int64_t kPackRows = FLAX_NARROW_PACK_ROWS;
 
 // One copy's entry: the product over columns [j0, j1) for a weight of element type `type`
@@ -99,10 +100,13 @@ constexpr int64_t kPackRows = FLAX_NARROW_PACK_ROWS;
                                         const float* x, const void* w, const float* scale,    \
                                         float* y, int64_t j0, int64_t j1) {                   \
     if (m >= kPackRows) {                                                                    \
-      switch (type) {                                                                        \
-        case 0: PackedRange<Vec>(nk, m, k, x, (const float*)w, n, scale, y, j0, j1); break;  \
-        case 1: PackedRange<Vec>(nk, m, k, x, (const Bf16*)w, n, scale, y, j0, j1); break;   \
-        case 2: PackedRange<Vec>(nk, m, k, x, (const int8_t*)w, n, scale, y, j0, j1); break; \
+      switch (type * 2 + nk) {                                                               \
+        case 0: PackedKn<Vec>(m, k, x, (const float*)w, n, scale, y, j0, j1); break;         \
+        case 1: PackedNk<Vec>(m, k, x, (const float*)w, n, scale, y, j0, j1); break;         \
+        case 2: PackedKn<Vec>(m, k, x, (const Bf16*)w, n, scale, y, j0, j1); break;          \
+        case 3: PackedNk<Vec>(m, k, x, (const Bf16*)w, n, scale, y, j0, j1); break;          \
+        case 4: PackedKn<Vec>(m, k, x, (const int8_t*)w, n, scale, y, j0, j1); break;        \
+        case 5: PackedNk<Vec>(m, k, x, (const int8_t*)w, n, scale, y, j0, j1); break;        \
         default: break;                                                                      \
       }                                                                                      \
       return;                                                                                \

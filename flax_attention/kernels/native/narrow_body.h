@@ -249,57 +249,46 @@ void KnPart(int64_t m, int64_t k, const float* x, const T* w, int64_t n, float* 
   }
 }
 
-// ---- packed: many rows, either layout ----------------------------------------------------------
+// ---- packed: many rows ------------------------------------------------------------------------
 
-// A prefill's products: many rows share every weight, so the time is the FMAs'. Per panel of
+// A prefill's products: many rows share every weight, so the time is the FMAs'. kn: per panel of
 // PackV vectors of columns and block of kPackK weight rows, the weights are widened (and
 // scaled) once into a float32 panel (kPackK x panel, 64 KB with AVX-512) that stays in L2, and
-// every block of kPackR rows of x multiplies it in registers (KnBlock on the panel). Nothing
-// wider than the weight is written to memory but the panel; XLA's product would first write the
-// whole widened matrix. The int8 weights are dequantized (q * scale) as XLA's product has them,
-// so the sums are those of the dequantized matrix, in another order.
+// every block of kPackR rows of x multiplies it in registers (KnBlock on the panel). nk: below
+// (PackedNk). Nothing wider than the weight is written to memory but the panel; XLA's product
+// would first write the whole widened matrix. The int8 weights are dequantized (q * scale) as
+// XLA's product has them, so the sums are those of the dequantized matrix, in another order.
 constexpr int64_t kPackK = 256;
 constexpr int kPackR = 6;
 // Vectors of columns per panel: 6 x 4 accumulators with 32 vector registers, 6 x 2 with 16.
 // (8 x 3, 12 x 2 and panels of 128 or 512 weight rows measured the same with AVX-512.)
 constexpr int PackV(int W) { return W == 16 ? 4 : 2; }
 
-// w's rows [k0, k0 + kl) and columns [j, j + cols) (kn; nk: e's rows [j, j + cols), features
-// [k0, k0 + kl)) as float32 times scale, into p (kl x ldp), zero beyond cols.
+// `count` weights from p as float32 times scale (one per weight, or `one` for all) into out.
 template <typename Vec, typename T>
-inline void Pack(bool nk, int64_t k, int64_t n, const T* w, const float* scale, int64_t k0,
-                 int64_t kl, int64_t j, int64_t cols, float* p, int64_t ldp) {
+inline void WidenRun(const T* p, int64_t count, const float* scale, const float* one,
+                     float* out) {
   constexpr int W = kW<Vec>;
-  if (!nk) {
-    for (int64_t kk = 0; kk < kl; ++kk) {
-      const T* row = w + (k0 + kk) * n + j;
-      float* out = p + kk * ldp;
-      int64_t c = 0;
-      for (; c + W <= cols; c += W) {
-        Vec v;
-        Widen<Vec, T>::Load(v, row + c);
-        if (scale) {
-          Vec sv;
-          LoadF(sv, scale + j + c);
-          v *= sv;
-        }
-        Store(out + c, v);
-      }
-      for (; c < cols; ++c) out[c] = scale ? Scalar<T>(row + c) * scale[j + c] : Scalar<T>(row + c);
-      for (; c < ldp; ++c) out[c] = 0.0f;
+  int64_t c = 0;
+  for (; c + W <= count; c += W) {
+    Vec v;
+    Widen<Vec, T>::Load(v, p + c);
+    if (scale) {
+      Vec sv;
+      LoadF(sv, scale + c);
+      v *= sv;
+    } else if (one) {
+      v *= *one;
     }
-    return;
+    Store(out + c, v);
   }
-  for (int64_t c = 0; c < ldp; ++c) {  // one embedding row into one column of p
-    const T* row = w + (j + c) * k + k0;
-    for (int64_t kk = 0; kk < kl; ++kk)
-      p[kk * ldp + c] = c >= cols ? 0.0f : scale ? Scalar<T>(row + kk) * scale[j + c] : Scalar<T>(row + kk);
-  }
+  for (; c < count; ++c)
+    out[c] = scale ? Scalar<T>(p + c) * scale[c] : one ? Scalar<T>(p + c) * *one : Scalar<T>(p + c);
 }
 
 template <typename Vec, typename T>
-void PackedRange(bool nk, int64_t m, int64_t k, const float* x, const T* w, int64_t n,
-                 const float* scale, float* y, int64_t j0, int64_t j1) {
+void PackedKn(int64_t m, int64_t k, const float* x, const T* w, int64_t n, const float* scale,
+              float* y, int64_t j0, int64_t j1) {
   constexpr int W = kW<Vec>, V = PackV(W), NB = V * W;
   std::vector<float> panel(static_cast<size_t>(kPackK * NB));
   float* p = panel.data();
@@ -307,7 +296,11 @@ void PackedRange(bool nk, int64_t m, int64_t k, const float* x, const T* w, int6
     const int64_t cols = std::min<int64_t>(NB, j1 - j);
     for (int64_t kb = 0; kb < k; kb += kPackK) {
       const int64_t kl = std::min(kPackK, k - kb);
-      Pack<Vec, T>(nk, k, n, w, scale, kb, kl, j, cols, p, NB);
+      for (int64_t kk = 0; kk < kl; ++kk) {  // w[kb:kb+kl, j:j+cols] -> p (kl x NB)
+        WidenRun<Vec, T>(w + (kb + kk) * n + j, cols, scale ? scale + j : nullptr, nullptr,
+                         p + kk * NB);
+        std::fill(p + kk * NB + cols, p + (kk + 1) * NB, 0.0f);
+      }
       const bool first = kb == 0;
       int64_t i = 0;
       for (; i + kPackR <= m; i += kPackR) {
@@ -425,3 +418,37 @@ void NkRange(int64_t m, int64_t k, const float* x, const T* e, int64_t n, const 
   }
 }
 
+// nk with many rows: per panel of kPackNk embedding rows (each contiguous over all of k), the
+// rows widened (and scaled) once into a float32 panel (kPackNk x k: 192 KB at k = 768, in L2),
+// then every block of up to 8 rows of x takes its dot products with the panel (NkRows on it).
+constexpr int64_t kPackNk = 64;
+
+template <typename Vec, typename T>
+void PackedNk(int64_t m, int64_t k, const float* x, const T* e, int64_t n, const float* scale,
+              float* y, int64_t j0, int64_t j1) {
+  std::vector<float> panel(static_cast<size_t>(kPackNk * k));
+  float* p = panel.data();
+  for (int64_t j = j0; j < j1; j += kPackNk) {
+    const int64_t rows = std::min<int64_t>(kPackNk, j1 - j);
+    for (int64_t c = 0; c < rows; ++c)
+      WidenRun<Vec, T>(e + (j + c) * k, k, nullptr, scale ? scale + j + c : nullptr, p + c * k);
+    for (int64_t i = 0; i < m; i += 8) {
+      const float* xi = x + i * k;
+      float* yi = y + i * n + j;
+      switch (std::min<int64_t>(8, m - i)) {
+#define FLAX_NARROW_PACKED_NK(R) \
+  case R: NkRows<Vec, float, R>(k, xi, k, p, nullptr, yi, n, 0, rows); break;
+        FLAX_NARROW_PACKED_NK(1)
+        FLAX_NARROW_PACKED_NK(2)
+        FLAX_NARROW_PACKED_NK(3)
+        FLAX_NARROW_PACKED_NK(4)
+        FLAX_NARROW_PACKED_NK(5)
+        FLAX_NARROW_PACKED_NK(6)
+        FLAX_NARROW_PACKED_NK(7)
+        FLAX_NARROW_PACKED_NK(8)
+#undef FLAX_NARROW_PACKED_NK
+        default: break;
+      }
+    }
+  }
+}
