@@ -99,25 +99,10 @@ constexpr int64_t kPackRows = FLAX_NARROW_PACK_ROWS;
   __attribute__((flatten)) void Product(int type, bool nk, int64_t m, int64_t k, int64_t n,   \
                                         const float* x, const void* w, const float* scale,    \
                                         float* y, int64_t j0, int64_t j1) {                   \
-    if (m >= kPackRows) {                                                                    \
-      switch (type * 2 + nk) {                                                               \
-        case 0: PackedKn<Vec>(m, k, x, (const float*)w, n, scale, y, j0, j1); break;         \
-        case 1: PackedNk<Vec>(m, k, x, (const float*)w, n, scale, y, j0, j1); break;         \
-        case 2: PackedKn<Vec>(m, k, x, (const Bf16*)w, n, scale, y, j0, j1); break;          \
-        case 3: PackedNk<Vec>(m, k, x, (const Bf16*)w, n, scale, y, j0, j1); break;          \
-        case 4: PackedKn<Vec>(m, k, x, (const int8_t*)w, n, scale, y, j0, j1); break;        \
-        case 5: PackedNk<Vec>(m, k, x, (const int8_t*)w, n, scale, y, j0, j1); break;        \
-        default: break;                                                                      \
-      }                                                                                      \
-      return;                                                                                \
-    }                                                                                        \
-    switch (type * 2 + nk) {                                                                 \
-      case 0: KnRange<Vec>(m, k, x, (const float*)w, n, scale, y, j0, j1); break;            \
-      case 1: NkRange<Vec>(m, k, x, (const float*)w, n, scale, y, j0, j1); break;            \
-      case 2: KnRange<Vec>(m, k, x, (const Bf16*)w, n, scale, y, j0, j1); break;             \
-      case 3: NkRange<Vec>(m, k, x, (const Bf16*)w, n, scale, y, j0, j1); break;             \
-      case 4: KnRange<Vec>(m, k, x, (const int8_t*)w, n, scale, y, j0, j1); break;           \
-      case 5: NkRange<Vec>(m, k, x, (const int8_t*)w, n, scale, y, j0, j1); break;           \
+    switch (type) {                                                                          \
+      case 0: Range<Vec>(nk, m, k, x, (const float*)w, n, scale, y, j0, j1); break;          \
+      case 1: Range<Vec>(nk, m, k, x, (const Bf16*)w, n, scale, y, j0, j1); break;           \
+      case 2: Range<Vec>(nk, m, k, x, (const int8_t*)w, n, scale, y, j0, j1); break;         \
       default: break;                                                                        \
     }                                                                                        \
   }                                                                                          \

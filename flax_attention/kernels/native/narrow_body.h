@@ -452,3 +452,21 @@ void PackedNk(int64_t m, int64_t k, const float* x, const T* e, int64_t n, const
     }
   }
 }
+
+// Columns (kn) or embedding rows (nk) [j0, j1) of the product of m rows: the panels from
+// kPackRows rows, else each weight widened in registers per pass of 8 rows.
+template <typename Vec, typename T>
+inline void Range(bool nk, int64_t m, int64_t k, const float* x, const T* w, int64_t n,
+                  const float* scale, float* y, int64_t j0, int64_t j1) {
+  if (m >= kPackRows) {
+    if (nk) {
+      PackedNk<Vec>(m, k, x, w, n, scale, y, j0, j1);
+    } else {
+      PackedKn<Vec>(m, k, x, w, n, scale, y, j0, j1);
+    }
+  } else if (nk) {
+    NkRange<Vec>(m, k, x, w, n, scale, y, j0, j1);
+  } else {
+    KnRange<Vec>(m, k, x, w, n, scale, y, j0, j1);
+  }
+}
