@@ -85,13 +85,10 @@ template <>
 inline float Scalar<int8_t>(const int8_t* p) { return float(*p); }
 
 #if FLAX_NARROW_VECTORS
-#ifndef FLAX_NARROW_PACK_ROWS
-#define FLAX_NARROW_PACK_ROWS 16
-#endif
 // Products of this many rows or more widen each weight once into a float32 panel that every
 // block of rows multiplies (PackedKn, PackedNk); fewer rows widen it in registers per pass of 8
 // rows.
-constexpr int64_t kPackRows = FLAX_NARROW_PACK_ROWS;
+constexpr int64_t kPackRows = 16;
 
 // One copy's entry: the product over columns [j0, j1) for a weight of element type `type`
 // (0 float, 1 bfloat16, 2 int8).

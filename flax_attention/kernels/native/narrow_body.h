@@ -296,22 +296,15 @@ void PackedKn(int64_t m, int64_t k, const float* x, const T* w, int64_t n, const
     const int64_t cols = std::min<int64_t>(NB, j1 - j);
     for (int64_t kb = 0; kb < k; kb += kPackK) {
       const int64_t kl = std::min(kPackK, k - kb);
-      for (int64_t kk = 0; kk < kl; ++kk) {  // w[kb:kb+kl, j:j+cols] -> p (kl x NB)
+      for (int64_t kk = 0; kk < kl; ++kk)  // w[kb:kb+kl, j:j+cols] -> p (kl x NB, cols used)
         WidenRun<Vec, T>(w + (kb + kk) * n + j, cols, scale ? scale + j : nullptr, nullptr,
                          p + kk * NB);
-        std::fill(p + kk * NB + cols, p + (kk + 1) * NB, 0.0f);
-      }
       const bool first = kb == 0;
       int64_t i = 0;
-      for (; i + kPackR <= m; i += kPackR) {
-        if (cols == NB) {
-          KnBlock<Vec, float, kPackR, V>(kl, x + i * k + kb, k, p, NB, nullptr, y + i * n + j, n,
-                                         first);
-        } else {
-          KnTiles<Vec, float, kPackR, V>(kl, x + i * k + kb, k, p, NB, nullptr, y + i * n + j, n,
-                                         0, cols, first);
-        }
-      }
+      // KnTiles: a full panel is one KnBlock; the last, narrower one takes narrower tiles
+      for (; i + kPackR <= m; i += kPackR)
+        KnTiles<Vec, float, kPackR, V>(kl, x + i * k + kb, k, p, NB, nullptr, y + i * n + j, n, 0,
+                                       cols, first);
       switch (m - i) {
 #define FLAX_NARROW_PACKED(R)                                                                  \
   case R:                                                                                      \
