@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -38,8 +40,8 @@ def check_train(subject: Subject, backend, dtype="float32") -> list[Row]:
     Shift-invariant parameters (the key bias) are compared by their gradient (zero on both
     sides) and their effect (none), in a row of their own.
     """
-    rows = []
     inputs, mask, steps = subject.inputs, subject.mask, subject.train_steps
+    runs = []  # per optimiser: its torch run and what its Flax run starts from
     for opt_name, (make_torch_opt, make_optax) in OPTIMIZERS.items():
         tm, fm = subject.make_pair(mesh=backend.mesh)
         tm = torch_on(tm, backend.torch_device)
@@ -50,7 +52,7 @@ def check_train(subject: Subject, backend, dtype="float32") -> list[Row]:
         t_target = to_torch(target, backend.torch_device)
 
         optimizer = make_torch_opt(tm.parameters())
-        reference, t_snapshots = {}, []
+        t_snapshots = []
         for step in range(1, steps + 1):
             optimizer.zero_grad()
             out = call_torch(subject, tm, t_inputs, t_mask)[0]
@@ -58,41 +60,55 @@ def check_train(subject: Subject, backend, dtype="float32") -> list[Row]:
             optimizer.step()
             if step % COMPARE_EVERY == 0 or step == steps:
                 t_snapshots.append({n: p.detach().clone() for n, p in tm.named_parameters()})
-
         graphdef, params, rest = nnx.split(fm, nnx.Param, ...)
         tx = make_optax()
-        opt_state = tx.init(params)
-        f_target = jnp.asarray(target)
+        runs.append(
+            types.SimpleNamespace(
+                name=opt_name, tm=tm, t_inputs=t_inputs, t_mask=t_mask, f_inputs=f_inputs,
+                f_mask=f_mask, t_snapshots=t_snapshots, graphdef=graphdef, rest=rest, tx=tx,
+                f_target=jnp.asarray(target), params=params, opt_state=tx.init(params),
+            )
+        )  # fmt: skip
 
-        def loss_fn(params, graphdef=graphdef, rest=rest, f_target=f_target, xs=f_inputs, m=f_mask):
-            module = nnx.merge(graphdef, params, rest)
-            out = call_flax(subject, module, xs, m)[0]
-            return ((out - f_target) ** 2).mean()
+    def loss_fn(params, run):
+        module = nnx.merge(run.graphdef, params, run.rest)
+        out = call_flax(subject, module, run.f_inputs, run.f_mask)[0]
+        return ((out - run.f_target) ** 2).mean()
 
-        @jax.jit
-        def step_fn(params, opt_state, tx=tx, loss_fn=loss_fn):
-            grads = jax.grad(loss_fn)(params)
-            updates, opt_state = tx.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state
+    # Every optimiser's step in one program: one compilation per case instead of one per
+    # optimiser (each step's operations are its own; the three share nothing but the program).
+    @jax.jit
+    def step_all(states):
+        new = []
+        for (params, opt_state), run in zip(states, runs):
+            grads = jax.grad(loss_fn)(params, run)
+            updates, opt_state = run.tx.update(grads, opt_state, params)
+            new.append((optax.apply_updates(params, updates), opt_state))
+        return new
 
-        f_snapshots = []
-        for step in range(1, steps + 1):
-            params, opt_state = step_fn(params, opt_state)
-            if step % COMPARE_EVERY == 0 or step == steps:
-                f_snapshots.append(subject.export(nnx.merge(graphdef, params, rest)))
+    states = [(run.params, run.opt_state) for run in runs]
+    f_snapshots = [[] for _ in runs]
+    for step in range(1, steps + 1):
+        states = step_all(states)
+        if step % COMPARE_EVERY == 0 or step == steps:
+            for snapshots, (params, _), run in zip(f_snapshots, states, runs):
+                snapshots.append(subject.export(nnx.merge(run.graphdef, params, run.rest)))
 
-        actual = {}
-        for t_snap, f_snap, at in zip(t_snapshots, f_snapshots, _snapshot_steps(steps)):
+    rows = []
+    for run, snapshots, (params, _) in zip(runs, f_snapshots, states):
+        reference, actual = {}, {}
+        for t_snap, f_snap, at in zip(run.t_snapshots, snapshots, _snapshot_steps(steps)):
             for name, value in t_snap.items():
                 if not is_shift_invariant(name):
                     reference[f"{name}@{at}"] = _variant_part(subject, name, value)
                     actual[f"{name}@{at}"] = _variant_part(subject, name, f_snap[name])
         with torch.no_grad():
-            reference["output"] = call_torch(subject, tm, t_inputs, t_mask)[0]
-        trained = nnx.merge(graphdef, params, rest)
-        actual["output"] = flax_forward(subject, trained, f_inputs, f_mask)[0]
-        check = f"train/{opt_name}"
-        rows.append(make_row(subject.name, backend, dtype, check, reference, actual, "train"))
+            reference["output"] = call_torch(subject, run.tm, run.t_inputs, run.t_mask)[0]
+        trained = nnx.merge(run.graphdef, params, run.rest)
+        actual["output"] = flax_forward(subject, trained, run.f_inputs, run.f_mask)[0]
+        rows.append(
+            make_row(subject.name, backend, dtype, f"train/{run.name}", reference, actual, "train")
+        )
     return rows + _check_shift_invariant(subject, backend, dtype)
 
 
