@@ -54,6 +54,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from flax_attention._checks import check_positive_int
+from flax_attention.kernels.native import cache_write
 from flax_attention.mesh import (
     CACHE_HEADS,
     ONE_HEAD,
@@ -243,13 +244,9 @@ def append(cached_key, cached_value, cache_index, keys, values):
     index = cache_index[...]
     fits = _check_fit(index, num_new, max_length)
 
-    def write(cache, new):  # only the new tokens' slots; the old ones again if no fit
-        axis = cache.ndim - 2
+    def write(cache, new):  # only the new tokens' slots
         new = jnp.swapaxes(new, -3, -2).astype(cache.dtype)  # (..., h, n, d): n tokens only
-        new = laid_out_like(new, cache)  # on an Explicit mesh: tokens of a replicated batch
-        old = jax.lax.dynamic_slice_in_dim(cache, index, num_new, axis)
-        new = jnp.where(fits, new, old)
-        return jax.lax.dynamic_update_slice_in_dim(cache, new, index, axis)
+        return _write_rows(cache, laid_out_like(new, cache), index, fits)
 
     cached_key[...] = write(cached_key[...], keys)
     cached_value[...] = write(cached_value[...], values)
@@ -271,6 +268,19 @@ def padded_positions(attention_mask, offset, num_tokens: int):
     index = offset + jnp.arange(num_tokens)  # (t,) the new tokens' slots
     positions = jnp.maximum(jnp.take(counts, index, axis=-1), 0)  # (b, t)
     return positions, attention_mask.astype(bool)[:, None, None, :]
+
+
+def _write_rows(cache, rows, index, fits):
+    """``cache`` ``(..., S, F)`` with ``rows`` ``(..., n, F)`` written at ``index`` along axis
+    -2, the old rows again where they do not fit (``fits`` false). In place through the native
+    write where it runs (``kernels.native.cache_write``: XLA's update copies the whole cache
+    each decode step, docs/performance.md), else XLA's ``dynamic_update_slice``."""
+    if cache_write.usable():
+        return cache_write.write(cache, rows, index)  # checks the fit itself
+    axis = cache.ndim - 2
+    old = jax.lax.dynamic_slice_in_dim(cache, index, rows.shape[-2], axis)
+    rows = jnp.where(fits, rows, old)
+    return jax.lax.dynamic_update_slice_in_dim(cache, rows, index, axis)
 
 
 def _check_fit(index, num_new: int, max_length: int):
@@ -301,9 +311,7 @@ def append_rows(cached, cache_index, rows):
             f"({cached.shape[:-2]}) (init_cache(batch_size))"
         )
     fits = _check_fit(index, num_new, cached.shape[-2])
-    old = jax.lax.dynamic_slice_in_dim(cached[...], index, num_new, cached.ndim - 2)
-    new = jnp.where(fits, rows.astype(cached.dtype), old)
-    cached[...] = jax.lax.dynamic_update_slice_in_dim(cached[...], new, index, cached.ndim - 2)
+    cached[...] = _write_rows(cached[...], rows.astype(cached.dtype), index, fits)
     cache_index[...] = jnp.where(fits, index + num_new, index)
     return cached[...], index, fits
 

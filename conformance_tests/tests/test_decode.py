@@ -20,6 +20,8 @@ import pytest
 from flax import nnx
 
 import flax_attention as fa
+from flax_attention import cache as decode_cache
+from flax_attention.kernels.native import cache_write
 from flax_attention.models import annotated
 
 #: The cached layers at small sizes: (class, positional args), d_in = 8, context_length 16.
@@ -422,3 +424,65 @@ def test_the_encoder_decoders_cache_refuses_an_overflow():
     assert [int(layer.cached_length()) for layer in model.decoder.layers] == [2, 2]
     last = step(model, kv_memory, mask, jnp.array([[5], [7]]))  # 2 + 1 == 3: fits exactly
     assert bool(jnp.isfinite(last).all()) and int(model.decoder.cached_length()) == 3
+
+
+needs_cache_write = pytest.mark.skipif(
+    not cache_write.usable(), reason="the native cache write runs on one CPU device, kernel built"
+)
+
+
+@pytest.mark.quick
+@needs_cache_write
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
+def test_the_native_cache_write_equals_xlas_update(dtype):
+    """``cache_write.write`` against XLA's ``dynamic_update_slice``: rows written at a traced
+    index in every leading slice, the cache unchanged where they do not fit, the caller's array
+    untouched (the alias is the program's own buffer)."""
+    rng = np.random.default_rng(0)
+    cache = jnp.asarray(rng.standard_normal((2, 3, 10, 4)) * 50, dtype)  # (b, h, S, d)
+    before = np.asarray(cache).copy()
+    for n, index in ((1, 0), (3, 4), (2, 8), (1, 9), (3, 8), (1, 10)):  # the last two do not fit
+        rows = jnp.asarray(rng.standard_normal((2, 3, n, 4)) * 50, dtype)
+        written = jax.jit(cache_write.write)(cache, rows, jnp.int32(index))
+        expected = np.array(before)
+        if index + n <= 10:
+            expected[:, :, index : index + n] = np.asarray(rows)
+        np.testing.assert_array_equal(np.asarray(written), expected, err_msg=f"{n} at {index}")
+        np.testing.assert_array_equal(np.asarray(cache), before)
+
+
+def _cache_copies(layer, dtype):
+    """The instructions of ``decode_loop``'s loop body (its compiled program, 4 steps) that
+    produce a whole cache-shaped array by a copy, or by a fusion that converts one (XLA widening
+    a bfloat16 cache to float32 to update it). The entry's one copy of the caller's cache (not
+    donated) is outside the loop."""
+    layer.init_cache(1, 12, dtype=dtype)
+    graphdef, params, state = decode_cache.split_for_decode(layer)
+    prompt = _x(1, 2)
+    decode_cache._decode_loop.clear_cache()  # traced again: the write path is read at trace
+    lowered = decode_cache._decode_loop.lower(
+        graphdef, params, state, prompt, 4, decode_cache._identity
+    )
+    text = lowered.compile().as_text()
+    computations = dict(re.findall(r"\n(%[\w.-]+) [^\n]*\{\n(.*?)\n\}", text, flags=re.S))
+    (body,) = re.findall(r" while\(.*?body=(%[\w.-]+)", text)
+    found = []
+    for line in computations[body].splitlines():
+        match = re.search(r"= \w+\[1,2,12,4\]\S* (copy|fusion)\(.*?(?:calls=(%[\w.-]+))?$", line)
+        if match and (
+            match.group(1) == "copy" or "f32[1,2,12,4]" in computations.get(match.group(2), "")
+        ):
+            found.append(line.strip()[:120])
+    return found
+
+
+@needs_cache_write
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_decode_step_writes_its_cache_in_place(monkeypatch, dtype):
+    """A decode loop's program neither copies a whole cache nor widens one to update it; with
+    XLA's own update (the native write switched off) it does both, every step."""
+    dtype = jnp.dtype(dtype)
+    layer = _layer("mha")
+    assert _cache_copies(layer, dtype) == []
+    monkeypatch.setattr(cache_write, "usable", lambda: False)
+    assert _cache_copies(_layer("mha"), dtype) != []

@@ -1,0 +1,60 @@
+"""A decode cache's write in place (``cache.cc``): ``rows`` ``(..., n, F)`` into ``cache``
+``(..., S, F)`` at ``index``, every leading slice, the cache aliased to the result; the cache as
+it was where the rows do not fit (``index + n > S``), as the XLA update it replaces.
+
+Why: a decode step's attention reads the cache it just wrote, through XLA dots whose operand
+fusions take the update in again, out of place, so XLA's CPU compiler copied every layer's whole
+cache several times a step (a bfloat16 update it also widens to float32 over the whole cache):
+GPT-2's decode step grew by 6-20 microseconds per cache slot. A custom call is never fused: the
+cache is written once where it lies (``docs/performance.md``, "Where the decode step's time
+goes").
+
+Used by ``flax_attention.cache`` where it can run: the native library built and loaded, the CPU
+backend, one device (``usable``); elsewhere the caller's ``dynamic_update_slice`` does it. Not
+differentiable (nothing differentiates through a cache's write).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from flax_attention.kernels import native
+
+__all__ = ["usable", "write"]
+
+_TARGET = "flax_attention_cache_write"
+
+
+@functools.cache
+def _register() -> bool:
+    if native.why_unavailable() is not None:
+        return False
+    library = native._LIBRARY[0]
+    if not hasattr(library, "FlaxCacheWrite"):  # a library built before the write existed
+        return False
+    capsule = jax.ffi.pycapsule(library.FlaxCacheWrite)
+    jax.ffi.register_ffi_target(_TARGET, capsule, platform="cpu")
+    return True
+
+
+def usable() -> bool:
+    """Whether ``write`` runs here: the library with the write, the CPU backend, one device (on
+    several, XLA would gather a sharded cache onto each for the custom call)."""
+    return jax.default_backend() == "cpu" and jax.device_count() == 1 and _register()
+
+
+def write(cache, rows, index):
+    """``cache`` with ``rows`` written at ``index`` along axis -2 (unchanged where they do not
+    fit); ``rows`` of ``cache``'s dtype and leading shape."""
+    if not _register():
+        raise RuntimeError("the native cache write is unavailable (see native.why_unavailable())")
+    call = jax.ffi.ffi_call(
+        _TARGET,
+        jax.ShapeDtypeStruct(cache.shape, cache.dtype),
+        input_output_aliases={0: 0},
+        vmap_method="sequential",
+    )
+    return call(cache, rows, jnp.asarray(index, jnp.int32))
