@@ -31,6 +31,12 @@ batch axes ``(b, h)`` leading, so a ``(..., max_length, h, d)`` cache was copied
 on every step (docs/performance.md measures it); now only the ``n`` new tokens are swapped into
 place (``append``) and the core reads the cache with ``kv_layout="hsd"``.
 
+The new tokens' rows are written in place by a native custom call where it runs (one CPU
+device, the kernel built: ``kernels.native.cache_write``), else by XLA's ``dynamic_update_slice``.
+XLA fused its own update into the attention's operands out of place, so each decode step copied
+every layer's whole cache several times (docs/performance.md, "Where the decode step's time
+goes").
+
 The cached keys and values carry partition metadata like the keys and values themselves, heads
 over ``model`` (``axes.CACHE_HEADS``; ``axes.ONE_HEAD`` for a single head):
 ``flax_attention.shard`` places them, and ``init_cache`` on a layer already sharded places them
@@ -59,6 +65,7 @@ from flax_attention.mesh import (
     CACHE_HEADS,
     ONE_HEAD,
     expand_axes,
+    explicit_mesh,
     laid_out_like,
     place,
     place_like_parameters,
@@ -273,14 +280,42 @@ def padded_positions(attention_mask, offset, num_tokens: int):
 def _write_rows(cache, rows, index, fits):
     """``cache`` ``(..., S, F)`` with ``rows`` ``(..., n, F)`` written at ``index`` along axis
     -2, the old rows again where they do not fit (``fits`` false). In place through the native
-    write where it runs (``kernels.native.cache_write``: XLA's update copies the whole cache
-    each decode step, docs/performance.md), else XLA's ``dynamic_update_slice``."""
-    if cache_write.usable():
-        return cache_write.write(cache, rows, index)  # checks the fit itself
+    write where it runs (``kernels.native.cache_write``: one CPU device, no ``Explicit`` mesh, a
+    float cache of 16 or 32 bits; XLA's update copies the whole cache each decode step,
+    docs/performance.md), else XLA's ``dynamic_update_slice``."""
+    if (
+        cache.dtype in _NATIVE_WRITE_DTYPES
+        and explicit_mesh() is None  # the custom call's result would lose the cache's type
+        and cache_write.usable()
+    ):
+        return _native_write(cache, rows, index)
+    return _xla_write(cache, rows, index, fits)
+
+
+#: The cache dtypes the native write takes (the package's caches: float32, bfloat16, float16).
+_NATIVE_WRITE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def _xla_write(cache, rows, index, fits):
     axis = cache.ndim - 2
     old = jax.lax.dynamic_slice_in_dim(cache, index, rows.shape[-2], axis)
     rows = jnp.where(fits, rows, old)
     return jax.lax.dynamic_update_slice_in_dim(cache, rows, index, axis)
+
+
+@jax.custom_jvp
+def _native_write(cache, rows, index):
+    return cache_write.write(cache, rows, index)  # checks the fit itself
+
+
+@_native_write.defjvp
+def _native_write_jvp(primals, tangents):
+    """The write is linear in the cache and the rows: their tangents are written alike (by
+    XLA's update, which JAX can transpose), so a decode step stays differentiable."""
+    cache, rows, index = primals
+    cache_dot, rows_dot, _ = tangents
+    fits = index + rows.shape[-2] <= cache.shape[-2]
+    return _native_write(cache, rows, index), _xla_write(cache_dot, rows_dot, index, fits)
 
 
 def _check_fit(index, num_new: int, max_length: int):

@@ -29,7 +29,7 @@ def quick_run(tmp_path_factory):
 
     The run compiles with XLA's quick CPU code generation (``QUICK_CODEGEN``, added to any
     ``XLA_FLAGS`` of the caller's): these tests read what the sections measure and print, never
-    how fast; most of the tiny run's time is XLA compiling its programs (40 s instead of 23 s
+    how fast; most of the tiny run's time is XLA compiling its programs (23 s instead of 40 s
     alone). The speed figures of docs/performance.md come from runs with the defaults."""
 
     def make(folder):

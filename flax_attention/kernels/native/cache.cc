@@ -1,5 +1,5 @@
 // A decode cache's write, in place: the new tokens' rows go into the cache at `index`, called
-// through jax.ffi with the cache aliased to the result (flax_attention/kernels/native/cache.py).
+// through jax.ffi with the cache aliased to the result (flax_attention/kernels/native/cache_write.py).
 //
 //   cache (..., S, F) any dtype, rows (..., n, F) of the same dtype and leading shape, index ()
 //   int32 -> the cache with rows [index, index + n) of every leading slice replaced, or the
