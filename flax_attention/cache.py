@@ -65,7 +65,6 @@ from flax_attention.mesh import (
     CACHE_HEADS,
     ONE_HEAD,
     expand_axes,
-    explicit_mesh,
     laid_out_like,
     place,
     place_like_parameters,
@@ -280,20 +279,11 @@ def padded_positions(attention_mask, offset, num_tokens: int):
 def _write_rows(cache, rows, index, fits):
     """``cache`` ``(..., S, F)`` with ``rows`` ``(..., n, F)`` written at ``index`` along axis
     -2, the old rows again where they do not fit (``fits`` false). In place through the native
-    write where it runs (``kernels.native.cache_write``: one CPU device, no ``Explicit`` mesh, a
-    float cache of 16 or 32 bits; XLA's update copies the whole cache each decode step,
-    docs/performance.md), else XLA's ``dynamic_update_slice``."""
-    if (
-        cache.dtype in _NATIVE_WRITE_DTYPES
-        and explicit_mesh() is None  # the custom call's result would lose the cache's type
-        and cache_write.usable()
-    ):
+    write where it can take ``cache`` (``kernels.native.cache_write.usable``; XLA's update copies
+    the whole cache each decode step, docs/performance.md), else XLA's ``dynamic_update_slice``."""
+    if cache_write.usable(cache):
         return _native_write(cache, rows, index)
     return _xla_write(cache, rows, index, fits)
-
-
-#: The cache dtypes the native write takes (the package's caches: float32, bfloat16, float16).
-_NATIVE_WRITE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
 def _xla_write(cache, rows, index, fits):

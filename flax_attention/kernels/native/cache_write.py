@@ -9,8 +9,9 @@ GPT-2's decode step grew by 6-20 microseconds per cache slot. A custom call is n
 cache is written once where it lies (``docs/performance.md``, "Where the decode step's time
 goes").
 
-Used by ``flax_attention.cache`` where it can run: the native library built and loaded, the CPU
-backend, one device (``usable``); elsewhere the caller's ``dynamic_update_slice`` does it. Not
+Used by ``flax_attention.cache`` where it can run (``usable``: the native library built and
+loaded, the CPU backend, one device, no ``Explicit`` mesh, a float cache of 16 or 32 bits);
+elsewhere the caller's ``dynamic_update_slice`` does it. Not
 differentiable (nothing differentiates through a cache's write).
 """
 
@@ -22,8 +23,9 @@ import jax
 import jax.numpy as jnp
 
 from flax_attention.kernels import native
+from flax_attention.mesh import explicit_mesh
 
-__all__ = ["usable", "write"]
+__all__ = ["DTYPES", "usable", "write"]
 
 _TARGET = "flax_attention_cache_write"
 
@@ -40,10 +42,22 @@ def _register() -> bool:
     return True
 
 
-def usable() -> bool:
-    """Whether ``write`` runs here: the library with the write, the CPU backend, one device (on
-    several, XLA would gather a sharded cache onto each for the custom call)."""
-    return jax.default_backend() == "cpu" and jax.device_count() == 1 and _register()
+#: The cache dtypes the write takes (the package's caches: float32, bfloat16, float16).
+DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def usable(cache) -> bool:
+    """Whether ``write`` takes ``cache`` here: one of ``DTYPES``, no ``Explicit`` mesh (the custom
+    call's result would lose the cache's sharding type), the CPU backend, one device (on several,
+    XLA would gather a sharded cache onto each for the custom call), the library with the
+    write."""
+    return (
+        cache.dtype in DTYPES
+        and explicit_mesh() is None
+        and jax.default_backend() == "cpu"
+        and jax.device_count() == 1
+        and _register()
+    )
 
 
 def write(cache, rows, index):
