@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <memory>
@@ -12,6 +13,22 @@
 #include "xla/ffi/api/ffi.h"
 
 namespace flax_attention {
+
+// How long ParallelFor's caller spins for the helpers' last items before it sleeps: a sleep on
+// the condition variable and its wake-up took 13 us a call on the 2-core Zen 4 VM, as long as
+// a 256 x 256 bfloat16 product takes in all (3.4 us a call with the spin; GPT-2 small's layer
+// products at one row: 8.2 -> 7.2 ms a pass in bfloat16, 4.3 -> 3.6 in int8). An item takes
+// at most a few hundred microseconds, so the spin rarely runs out; when it does (a helper that
+// has not started on a busy machine), the caller sleeps as before.
+constexpr int64_t kSpinUs = 200;
+
+inline void Pause() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
 
 // body(item) for item in [0, n): items taken in turn by the calling thread and up to
 // num_threads - 1 of the pool's threads; returns when all are done.
@@ -36,6 +53,11 @@ void ParallelFor(xla::ffi::ThreadPool& pool, int64_t n, const Body& body) {
   const int64_t helpers = std::min<int64_t>(pool.num_threads(), n) - 1;
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work(); });
   work();
+  const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(kSpinUs);
+  for (int64_t spin = 1; state->done.load() != n; ++spin) {
+    Pause();
+    if (spin % 64 == 0 && std::chrono::steady_clock::now() > until) break;
+  }
   std::unique_lock<std::mutex> lock(state->mu);
   state->cv.wait(lock, [&] { return state->done.load() == n; });
 }
