@@ -56,8 +56,9 @@ class                               its ``Names``
 ``LoRALayer``                       ``LoRALayer``'s hooks: a module holding LoRA matrices refuses
                                     the peers' layouts, and a LoRA state dict offered to a plain
                                     model (or the converse) says so in the error's first line
-``models.quantized.Int8Linear``,    ``documents``; ``kernel``/``embedding`` held as int8, exported
-``Int8Embed``                       times ``scale`` (``dequantized``)
+``models.quantized.Int8Linear``,    ``documents``; ``weight`` (``(out, in)``, as torch's) and
+``Int8Embed``                       ``embedding`` held as int8, exported times ``scale``
+                                    (``dequantized``)
 ==================================  =============================================================
 
 The layers are registered here; each model is registered by one line where it is defined (the

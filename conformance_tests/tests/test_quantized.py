@@ -53,11 +53,13 @@ def test_each_copy_of_the_kernel_equals_a_float64_product(level):
     weight's rows (partial sums added after: it has ``k >= 64`` per thread of a 2-core pool and
     ``m k n >= 2^16`` from one row). From 16 rows the weights are widened into float32 panels
     (blocks of 6 rows, then 5; a panel wider than the columns left; ``k = 300``: a second block
-    of 256 weight rows added to the first)."""
+    of 256 weight rows added to the first); from 256 rows an ``(n, k)`` weight fills those
+    panels transposed (257 rows)."""
     rng = np.random.default_rng(level)
     worst = {}
-    for rows in (1, 3, 8, 9, 17):
-        for k, n in ((7, 5), (33, 70), (130, 509)) + (((300, 90),) if rows == 17 else ()):
+    for rows in (1, 3, 8, 9, 17, 257):
+        shapes = ((7, 5), (33, 70), (130, 509)) if rows < 257 else ((33, 70),)
+        for k, n in shapes + (((300, 90),) if rows >= 17 else ()):
             x = rng.standard_normal((rows, k)).astype(np.float32)
             for dtype in ("float32", "bfloat16", "int8"):
                 for nk in (False, True):
@@ -225,7 +227,8 @@ def test_int8_layers_compute_in_float32_and_return_the_layers_dtype(twin, monkey
         got = layer(jnp.asarray(x, x_dtype))
         assert got.dtype == linear(jnp.asarray(x, x_dtype)).dtype, (dtype, param_dtype, x_dtype)
         if got.dtype == jnp.float32 and x_dtype == jnp.float32:
-            w = np.asarray(layer.kernel[...], np.float64) * np.asarray(layer.scale[...])
+            scale = np.asarray(layer.scale[...], np.float64)[:, None]
+            w = (np.asarray(layer.weight[...], np.float64) * scale).T  # (in, out)
             bias = np.asarray(layer.bias[...], np.float64)
             want = x.astype(np.float64) @ w + bias
             assert _error(got, want) <= 1e-6, (dtype, param_dtype)
