@@ -53,8 +53,9 @@ def test_each_copy_of_the_kernel_equals_a_float64_product(level):
     weight's rows (partial sums added after: it has ``k >= 64`` per thread of a 2-core pool and
     ``m k n >= 2^16`` from one row). From 16 rows the weights are widened into float32 panels
     (blocks of 6 rows, then 5; a panel wider than the columns left; ``k = 300``: a second block
-    of 256 weight rows added to the first); from 256 rows an ``(n, k)`` weight fills those
-    panels transposed (257 rows)."""
+    of 256 weight rows added to the first). An ``(n, k)`` weight fills those panels transposed
+    from 128 rows with AVX-512 (257 rows; 17 rows: dot products with its rows), from 16 rows
+    in the other copies."""
     rng = np.random.default_rng(level)
     worst = {}
     for rows in (1, 3, 8, 9, 17, 257):

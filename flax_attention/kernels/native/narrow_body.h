@@ -266,7 +266,7 @@ void KnPart(int64_t m, int64_t k, const float* x, const T* w, int64_t n, float* 
 // PackV vectors of columns and block of kPackK weight rows, the weights are widened (and
 // scaled) once into a float32 panel (kPackK x panel, 64 KB with AVX-512) that stays in L2, and
 // every block of kPackR rows of x multiplies it in registers (KnBlock on the panel). nk: the
-// same panels filled from the transposed weight (Nk, from kTransposeRows rows), else PackedNk
+// same panels filled from the transposed weight (Nk, from TransposeRows rows), else PackedNk
 // (below). Nothing wider than the weight is written to memory but the panel; XLA's product
 // would first write the whole widened matrix. The int8 weights are dequantized (q * scale) as
 // XLA's product has them, so the sums are those of the dequantized matrix, in another order.
@@ -302,17 +302,22 @@ template <typename Vec, typename T, bool Nk = false>
 void PackedKn(int64_t m, int64_t k, const float* x, const T* w, int64_t n, const float* scale,
               float* y, int64_t j0, int64_t j1) {
   constexpr int W = kW<Vec>, V = PackV(W), NB = V * W;
-  std::vector<float> panel(static_cast<size_t>(kPackK * NB)), run(Nk ? kPackK : 0);
+  constexpr int64_t kC = 16;  // Nk: columns widened together, then stored a line per row
+  std::vector<float> panel(static_cast<size_t>(kPackK * NB)), run(Nk ? kC * kPackK : 0);
   float* p = panel.data();
   for (int64_t j = j0; j < j1; j += NB) {
     const int64_t cols = std::min<int64_t>(NB, j1 - j);
     for (int64_t kb = 0; kb < k; kb += kPackK) {
       const int64_t kl = std::min(kPackK, k - kb);
       if constexpr (Nk) {  // w (n, k): w[j:j+cols, kb:kb+kl] transposed -> p (kl x NB)
-        for (int64_t c = 0; c < cols; ++c) {
-          WidenRun<Vec, T>(w + (j + c) * k + kb, kl, nullptr, scale ? scale + j + c : nullptr,
-                           run.data());
-          for (int64_t kk = 0; kk < kl; ++kk) p[kk * NB + c] = run[kk];
+        float* r = run.data();
+        for (int64_t c0 = 0; c0 < cols; c0 += kC) {
+          const int64_t cn = std::min(kC, cols - c0);
+          for (int64_t c = 0; c < cn; ++c)
+            WidenRun<Vec, T>(w + (j + c0 + c) * k + kb, kl, nullptr,
+                             scale ? scale + j + c0 + c : nullptr, r + c * kPackK);
+          for (int64_t kk = 0; kk < kl; ++kk)
+            for (int64_t c = 0; c < cn; ++c) p[kk * NB + c0 + c] = r[c * kPackK + kk];
         }
       } else {
         for (int64_t kk = 0; kk < kl; ++kk)  // w[kb:kb+kl, j:j+cols] -> p (kl x NB, cols used)
@@ -480,11 +485,13 @@ void PackedNk(int64_t m, int64_t k, const float* x, const T* e, int64_t n, const
 }
 
 // From this many rows an (n, k) weight is widened into PackedKn's panels, transposed as they are
-// filled (one scalar store a weight), rather than PackedNk's: the products then run at kn's rate
-// (GPT-2 small's layer products in int8, AVX-512: 39.6 against 48.7 ms at 512 rows), where the
-// transposing fill costs more than it saves on fewer rows (5.5 against 3.4 ms at 32 rows,
-// equal at 128).
-constexpr int64_t kTransposeRows = 256;
+// filled (16 weight rows widened, then stored a panel row at a time), rather than PackedNk's
+// dot products, which sum across lanes and hold fewer accumulators with 16 vector registers.
+// GPT-2 small's layer products in int8 (ms, kn's (k, n) weights beside them):
+//   AVX-512:  32 rows PackedNk 3.5, transposed 5.1, kn 3.1; 128 rows 12.3, 11.7, 10.5;
+//             512 rows 48.7, 39.6, 41.9
+//   AVX2:     32 rows PackedNk 5.1, transposed 4.2, kn 3.5; 128 rows 18.2, 12.6, 11.2
+constexpr int64_t TransposeRows(int W) { return W == 16 ? 128 : kPackRows; }
 
 // Columns (kn) or embedding rows (nk) [j0, j1) of the product of m rows: the panels from
 // kPackRows rows, else each weight widened in registers per pass of 8 rows.
@@ -493,7 +500,7 @@ inline void Range(bool nk, int64_t m, int64_t k, const float* x, const T* w, int
                   const float* scale, float* y, int64_t j0, int64_t j1) {
   if (m >= kPackRows) {
     if (nk) {
-      if (m >= kTransposeRows) {
+      if (m >= TransposeRows(kW<Vec>)) {
         PackedKn<Vec, T, true>(m, k, x, w, n, scale, y, j0, j1);
       } else {
         PackedNk<Vec>(m, k, x, w, n, scale, y, j0, j1);
