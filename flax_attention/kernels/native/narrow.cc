@@ -1,8 +1,9 @@
 // Products of a few rows with weights of float32, bfloat16 or int8, for flax_attention's decode
 // steps, called through jax.ffi (flax_attention/kernels/native/narrow.py).
 //
-//   y (m, n) = x (m, k) W           W (k, n), row-major: an nnx.Linear kernel       ("kn")
-//   y (m, n) = x (m, k) E^T         E (n, k), row-major: a tied head's embedding     ("nk")
+//   y (m, n) = x (m, k) W     W (k, n), row-major: an nnx.Linear kernel                  ("kn")
+//   y (m, n) = x (m, k) E^T   E (n, k), row-major: a tied head's embedding, an int8 layer's
+//                             weight (models.quantized.Int8Linear, torch's layout)       ("nk")
 //
 // times scale (n,) per output feature for int8 weights (symmetric, w = q * scale). x and y are
 // float32; each weight is widened to float32 in a register as it is read (bfloat16: its 16 bits
@@ -15,12 +16,13 @@
 // vectors accumulates over k, reading per k one short run of a weight row. Neighbouring tiles
 // read the neighbouring bytes of the same cache lines, which stay in L2 from one tile to the
 // next (a strip of k lines), so memory sees each weight once. Up to 8 rows per pass; more rows
-// take more passes.
+// take more passes. One row reads the weight row by row, in memory order (KnRows).
 // nk: per block of J rows of E (contiguous over k) and R rows of x, R x J vector accumulators
-// over k, summed across lanes at the end.
+// over k, summed across lanes at the end; the next blocks prefetched.
 // From kPackRows rows (a prompt's prefill), either layout: the weights are widened once per
-// block into a float32 panel in L2 that every block of rows multiplies (PackedKn, PackedNk), as
-// a GEMM packs its operand: the product runs at the FMAs' rate, as XLA's float32 one does.
+// block into a float32 panel in L2 that every block of rows multiplies (PackedKn; nk's weights
+// transposed into the same panels, or PackedNk's dot products below TransposeRows), as a GEMM
+// packs its operand: the product runs at the FMAs' rate, as XLA's float32 one does.
 // Work is split over XLA's intra-op thread pool by column (kn) or row (nk) ranges.
 //
 // One source, written with GCC / Clang vector extensions over a vector type of W floats and
@@ -86,7 +88,7 @@ inline float Scalar<int8_t>(const int8_t* p) { return float(*p); }
 
 #if FLAX_NARROW_VECTORS
 // Products of this many rows or more widen each weight once into a float32 panel that every
-// block of rows multiplies (PackedKn, PackedNk); fewer rows widen it in registers per pass of 8
+// block of rows multiplies (PackedKn, PackedNk: narrow_body.h); fewer rows widen it in registers per pass of 8
 // rows.
 constexpr int64_t kPackRows = 16;
 

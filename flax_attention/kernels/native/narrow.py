@@ -1,6 +1,7 @@
 """Products of a few rows with float32, bfloat16 or int8 weights (``narrow.cc``), for decode
 steps: ``x (..., k) @ w`` with ``w`` ``(k, n)`` (an ``nnx.Linear`` kernel) or, ``nk=True``,
-``x @ w.T`` with ``w`` ``(n, k)`` (a tied head's embedding), int8 weights times ``scale``
+``x @ w.T`` with ``w`` ``(n, k)`` (a tied head's embedding, an ``Int8Linear``'s ``weight``),
+int8 weights times ``scale``
 ``(n,)`` per output feature. Each weight is widened to float32 in a register as it is read and
 every product accumulates in float32; the result is float32.
 

@@ -128,7 +128,9 @@ inline void KnBlock(int64_t k, const float* x, int64_t ldx, const T* w, int64_t 
     const T* row = w + kk * ldw;
     if constexpr (Ahead > 0) {  // the same columns Ahead rows on, a cache line at a time
       constexpr int per = std::max<int>(1, 64 / int(W * sizeof(T)));
-      for (int v = 0; v < V; v += per) __builtin_prefetch(row + Ahead * ldw + W * v);
+      for (int v = 0; v < V; v += per)  // (an address, maybe past the weights: no fault)
+        __builtin_prefetch(reinterpret_cast<const void*>(
+            reinterpret_cast<uintptr_t>(row) + (Ahead * ldw + W * v) * sizeof(T)));
     }
     if constexpr (V < R) {
       Vec wv[V];
@@ -388,11 +390,13 @@ inline void NkBlock(int64_t k, const float* x, int64_t ldx, const T* e, int64_t 
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < J; ++j) acc[r][j] = Vec{};
   int64_t kk = 0;
-  const char* ahead = reinterpret_cast<const char*>(e + kNkAhead * J * lde);
+  // (an address, maybe past the weights: a prefetch does not fault)
+  const uintptr_t ahead = reinterpret_cast<uintptr_t>(e) + kNkAhead * J * lde * sizeof(T);
   constexpr int lines = std::max<int>(1, int(J * W * sizeof(T)) / 64);
   for (; kk + W <= k; kk += W) {
-    if constexpr (Ahead)  // (a prefetch past the weights' end does not fault)
-      for (int l = 0; l < lines; ++l) __builtin_prefetch(ahead + kk * J * sizeof(T) + 64 * l);
+    if constexpr (Ahead)
+      for (int l = 0; l < lines; ++l)
+        __builtin_prefetch(reinterpret_cast<const void*>(ahead + kk * J * sizeof(T) + 64 * l));
     Vec ev[J];
     for (int j = 0; j < J; ++j) Widen<Vec, T>::Load(ev[j], e + j * lde + kk);
     for (int r = 0; r < R; ++r) {
