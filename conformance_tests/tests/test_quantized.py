@@ -249,13 +249,13 @@ def test_quantizing_the_dequantized_weights_gives_every_scale_back():
     weight that value: dequantized (``q * scale``, as ``state_dict`` exports) and quantized
     again, every scale and q come back bit for bit."""
     amax = (np.arange(2**23, dtype=np.uint32) | np.uint32(0x3F800000)).view(np.float32)
-    w = np.stack([amax, -amax / 3])  # (in 2, out 2^23): a kernel, features on the last axis
-    q, scale = (np.asarray(a) for a in quantized_module._quantize(w, axis=1))
-    dequantized = q.astype(np.float32) * scale[None, :]
-    q_again, scale_again = (np.asarray(a) for a in quantized_module._quantize(dequantized, 1))
+    w = np.stack([amax, -amax / 3], axis=1)  # (out 2^23, in 2): an Int8Linear's weight
+    q, scale = (np.asarray(a) for a in quantized_module._quantize(w))
+    dequantized = q.astype(np.float32) * scale[:, None]
+    q_again, scale_again = (np.asarray(a) for a in quantized_module._quantize(dequantized))
     np.testing.assert_array_equal(scale_again, scale)
     np.testing.assert_array_equal(q_again, q)
-    assert (q[0] == 127).all()
+    assert (q[:, 0] == 127).all()
 
 
 def test_a_quantized_model_refuses_training_loading_and_a_second_quantization(twin):

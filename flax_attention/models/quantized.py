@@ -24,8 +24,6 @@ quantize).
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -51,17 +49,17 @@ class WeightScale(nnx.Variable):
     """The float32 scales of an ``Int8Weight``, one per output feature."""
 
 
-def _quantize(w, axis: int):
-    """``(q int8, scale float32)`` of ``w`` with one scale per index of ``axis`` (the output
-    features): ``scale = max|w| / 127`` over the other axis (1 where that is 0). In NumPy, on
-    the host: IEEE float32 arithmetic, op by op, as written."""
+def _quantize(w):
+    """``(q int8, scale float32)`` of ``w`` ``(features, k)`` with one scale per row (output
+    feature): ``scale = max|w| / 127`` over the row (1 where that is 0). In NumPy, on the host:
+    IEEE float32 arithmetic, op by op, as written."""
     w = np.asarray(jax.device_get(w), np.float32)
-    amax = np.max(np.abs(w), axis=1 - axis)  # (features,)
+    amax = np.max(np.abs(w), axis=1)  # (features,)
     # Quantizing the dequantized weights again gives this scale (and q) back: their max is
     # fl(127 * scale), and fl(fl(127 * fl(a / 127)) / 127) == fl(a / 127) for every normal
     # float32 a (the tests try every mantissa).
     scale = np.where(amax > 0, amax / np.float32(127), np.float32(1)).astype(np.float32)
-    q = np.clip(np.rint(w / np.expand_dims(scale, 1 - axis)), -127, 127).astype(np.int8)
+    q = np.clip(np.rint(w / scale[:, None]), -127, 127).astype(np.int8)
     return jnp.asarray(q), jnp.asarray(scale)
 
 
@@ -72,27 +70,25 @@ def _refuse_training(*_):
     )
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _int8_product(rows, q, scale, nk: bool):
-    """``rows (m, k)`` times the dequantized ``q`` (``(k, n)``, or ``(n, k)`` with ``nk``),
-    float32 ``(m, n)``."""
+@jax.custom_vjp
+def _int8_product(rows, q, scale):
+    """``rows (m, k)`` times the dequantized ``q`` ``(n, k)`` transposed, float32 ``(m, n)``."""
     if narrow_product_ok(rows.shape[0], q):
         from flax_attention.kernels.native import narrow
 
-        return narrow.matmul(rows, q, scale, nk=nk)
-    w = q.astype(jnp.float32) * (scale[:, None] if nk else scale[None, :])
-    return rows.astype(jnp.float32) @ (w.T if nk else w)
+        return narrow.matmul(rows, q, scale, nk=True)
+    return rows.astype(jnp.float32) @ (q.astype(jnp.float32) * scale[:, None]).T
 
 
 _int8_product.defvjp(
-    lambda rows, q, scale, nk: (_int8_product(rows, q, scale, nk), None),
-    lambda nk, residuals, d_out: _refuse_training(),
+    lambda rows, q, scale: (_int8_product(rows, q, scale), None),
+    lambda residuals, d_out: _refuse_training(),
 )
 
 
-def _product(x, q, scale, nk: bool, dtype):
+def _product(x, q, scale, dtype):
     rows = x.reshape(-1, x.shape[-1])  # (m, k)
-    out = _int8_product(rows, q, scale, nk).astype(dtype)  # (m, n)
+    out = _int8_product(rows, q, scale).astype(dtype)  # (m, n)
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
@@ -107,7 +103,7 @@ class Int8Linear(nnx.Module):
     ``docs/performance.md``)."""
 
     def __init__(self, linear: nnx.Linear):
-        q, scale = _quantize(linear.kernel[...].T, axis=0)  # (out, in), a scale per row
+        q, scale = _quantize(linear.kernel[...].T)  # (out, in), a scale per row
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = Int8Weight(q)
         self.scale = WeightScale(scale)
@@ -116,7 +112,7 @@ class Int8Linear(nnx.Module):
 
     def __call__(self, x, *, out_sharding=None):
         dtype = self.dtype or jnp.result_type(x, self.param_dtype)
-        y = _product(x, self.weight[...], self.scale[...], True, dtype)
+        y = _product(x, self.weight[...], self.scale[...], dtype)
         if self.bias is not None:
             y = y + self.bias[...].astype(dtype).reshape((1,) * (y.ndim - 1) + (-1,))
         return y
@@ -128,7 +124,7 @@ class Int8Embed(nnx.Module):
     tied head's ``x @ embedding.T``."""
 
     def __init__(self, embed: nnx.Embed):
-        q, scale = _quantize(embed.embedding[...], axis=0)
+        q, scale = _quantize(embed.embedding[...])
         self.num_embeddings, self.features = embed.num_embeddings, embed.features
         self.embedding = Int8Weight(q)
         self.scale = WeightScale(scale)
@@ -139,7 +135,7 @@ class Int8Embed(nnx.Module):
         return (rows * jnp.take(self.scale[...], ids, axis=0)[..., None]).astype(self.dtype)
 
     def attend(self, x):
-        return _product(x, self.embedding[...], self.scale[...], True, x.dtype)
+        return _product(x, self.embedding[...], self.scale[...], x.dtype)
 
 
 # The bridge exports each int8 weight times its scales (the float weight it stands for).

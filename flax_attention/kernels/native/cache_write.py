@@ -11,8 +11,8 @@ goes").
 
 Used by ``flax_attention.cache`` where it can run (``usable``: the native library built and
 loaded, the CPU backend, one device, no ``Explicit`` mesh, a float cache of 16 or 32 bits);
-elsewhere the caller's ``dynamic_update_slice`` does it. Not
-differentiable (nothing differentiates through a cache's write).
+elsewhere the caller's ``dynamic_update_slice`` does it. Not differentiable itself:
+``flax_attention.cache`` writes its tangents with XLA's update.
 """
 
 from __future__ import annotations
