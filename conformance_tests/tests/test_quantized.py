@@ -53,9 +53,9 @@ def test_each_copy_of_the_kernel_equals_a_float64_product(level):
     weight's rows (partial sums added after: it has ``k >= 64`` per thread of a 2-core pool and
     ``m k n >= 2^16`` from one row). From 16 rows the weights are widened into float32 panels
     (blocks of 6 rows, then 5; a panel wider than the columns left; ``k = 300``: a second block
-    of 256 weight rows added to the first). An ``(n, k)`` weight fills those panels transposed
-    from 128 rows with AVX-512 (257 rows; 17 rows: dot products with its rows), from 16 rows
-    in the other copies."""
+    of 256 weight rows added to the first). An ``(n, k)`` weight fills those panels transposed,
+    in squares of the vector width and one weight at a time at the edges (``k`` and ``n`` no
+    multiples of it); 257 rows: many blocks of rows per panel."""
     rng = np.random.default_rng(level)
     worst = {}
     for rows in (1, 3, 8, 9, 17, 257):

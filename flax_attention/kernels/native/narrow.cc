@@ -21,8 +21,8 @@
 // over k, summed across lanes at the end; the next blocks prefetched.
 // From kPackRows rows (a prompt's prefill), either layout: the weights are widened once per
 // block into a float32 panel in L2 that every block of rows multiplies (PackedKn; nk's weights
-// transposed into the same panels, or PackedNk's dot products below TransposeRows), as a GEMM
-// packs its operand: the product runs at the FMAs' rate, as XLA's float32 one does.
+// transposed into the same panels in registers, W x W floats at a time), as a GEMM packs its
+// operand: the product runs at the FMAs' rate, as XLA's float32 one does.
 // Work is split over XLA's intra-op thread pool by column (kn) or row (nk) ranges.
 //
 // One source, written with GCC / Clang vector extensions over a vector type of W floats and
@@ -34,6 +34,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -88,8 +89,8 @@ inline float Scalar<int8_t>(const int8_t* p) { return float(*p); }
 
 #if FLAX_NARROW_VECTORS
 // Products of this many rows or more widen each weight once into a float32 panel that every
-// block of rows multiplies (PackedKn, PackedNk: narrow_body.h); fewer rows widen it in registers per pass of 8
-// rows.
+// block of rows multiplies (PackedKn: narrow_body.h); fewer rows widen it in registers per pass
+// of 8 rows.
 constexpr int64_t kPackRows = 16;
 
 // One copy's entry: the product over columns [j0, j1) for a weight of element type `type`
@@ -231,12 +232,15 @@ ffi::Error Product(ffi::ThreadPool pool, ffi::Buffer<ffi::F32, 2> x, ffi::AnyBuf
   const void* wp = w.untyped_data();
   float* yp = y->typed_data();
   // Ranges of columns (kn) or embedding rows (nk), whole multiples of 64 so that no two threads
-  // share a cache line of y or (kn) of the weights; a few per thread, taken in turn, so that a
-  // thread that starts late (a busy machine) does not hold the call up.
+  // share a cache line of y or (kn) of the weights, taken in turn, so that a thread that starts
+  // late or is preempted (a busy machine) does not hold the call up: a few per thread for a few
+  // rows (longer ranges stream the weights better), one panel each from kPackRows rows (each
+  // costs the same whatever the range; finer items keep both threads busy to the end).
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t align = 64;
+  const int64_t panels = (n + align - 1) / align;
   const int64_t chunks =
-      std::max<int64_t>(1, std::min<int64_t>(4 * threads, (n + align - 1) / align));
+      std::max<int64_t>(1, m >= kPackRows ? panels : std::min<int64_t>(4 * threads, panels));
   const int64_t step = ((n + chunks - 1) / chunks + align - 1) / align * align;
   const int64_t items = (n + step - 1) / step;
   auto body = [&](int64_t item) {

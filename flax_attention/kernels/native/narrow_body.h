@@ -268,8 +268,7 @@ void KnPart(int64_t m, int64_t k, const float* x, const T* w, int64_t n, float* 
 // PackV vectors of columns and block of kPackK weight rows, the weights are widened (and
 // scaled) once into a float32 panel (kPackK x panel, 64 KB with AVX-512) that stays in L2, and
 // every block of kPackR rows of x multiplies it in registers (KnBlock on the panel). nk: the
-// same panels filled from the transposed weight (Nk, from TransposeRows rows), else PackedNk
-// (below). Nothing wider than the weight is written to memory but the panel; XLA's product
+// same panels, filled from the transposed weight (FillTransposed). Nothing wider than the weight is written to memory but the panel; XLA's product
 // would first write the whole widened matrix. The int8 weights are dequantized (q * scale) as
 // XLA's product has them, so the sums are those of the dequantized matrix, in another order.
 constexpr int64_t kPackK = 256;
@@ -300,27 +299,59 @@ inline void WidenRun(const T* p, int64_t count, const float* scale, const float*
     out[c] = scale ? Scalar<T>(p + c) * scale[c] : one ? Scalar<T>(p + c) * *one : Scalar<T>(p + c);
 }
 
+// t[i][c] <- t[c][i]: W x W floats transposed in registers, in log2(W) rounds that interleave
+// the first half's vectors with the second half's (a perfect shuffle; two-source permutes).
+template <typename Vec, std::size_t... I>
+inline void TransposeSquare(Vec* t, std::index_sequence<I...>) {
+  constexpr int W = kW<Vec>;
+  using Index = typename Lanes<W>::I32;
+  constexpr Index lo = {int(I % 2 ? I / 2 + W : I / 2)...};
+  constexpr Index hi = {int(I % 2 ? I / 2 + W + W / 2 : I / 2 + W / 2)...};
+  for (int round = 1; round < W; round *= 2) {
+    Vec u[W];
+    for (int i = 0; i < W / 2; ++i) {
+      u[2 * i] = __builtin_shuffle(t[i], t[i + W / 2], lo);
+      u[2 * i + 1] = __builtin_shuffle(t[i], t[i + W / 2], hi);
+    }
+    for (int i = 0; i < W; ++i) t[i] = u[i];
+  }
+}
+
+// p[kk][c] = w[c][kk] (* scale[c]) for c < cols, kk < kl, w's rows ldw apart, p's ldp: W x W
+// squares widened, scaled and transposed in registers, the edges one weight at a time (GPT-2's
+// int8 products at 512 rows spent 6 % of their time in this fill a float at a time).
+template <typename Vec, typename T>
+inline void FillTransposed(const T* w, int64_t ldw, const float* scale, int64_t cols, int64_t kl,
+                           float* p, int64_t ldp) {
+  constexpr int W = kW<Vec>;
+  const int64_t cw = cols / W * W, kw = kl / W * W;
+  for (int64_t c0 = 0; c0 < cw; c0 += W)
+    for (int64_t k0 = 0; k0 < kw; k0 += W) {
+      Vec t[W];
+      for (int c = 0; c < W; ++c) {
+        Widen<Vec, T>::Load(t[c], w + (c0 + c) * ldw + k0);
+        if (scale) t[c] *= scale[c0 + c];
+      }
+      TransposeSquare<Vec>(t, std::make_index_sequence<W>());
+      for (int i = 0; i < W; ++i) Store(p + (k0 + i) * ldp + c0, t[i]);
+    }
+  for (int64_t c = 0; c < cols; ++c)  // the edges: columns from cw, rows of w from kw
+    for (int64_t kk = c < cw ? kw : 0; kk < kl; ++kk)
+      p[kk * ldp + c] = scale ? Scalar<T>(w + c * ldw + kk) * scale[c] : Scalar<T>(w + c * ldw + kk);
+}
+
 template <typename Vec, typename T, bool Nk = false>
 void PackedKn(int64_t m, int64_t k, const float* x, const T* w, int64_t n, const float* scale,
               float* y, int64_t j0, int64_t j1) {
   constexpr int W = kW<Vec>, V = PackV(W), NB = V * W;
-  constexpr int64_t kC = 16;  // Nk: columns widened together, then stored a line per row
-  std::vector<float> panel(static_cast<size_t>(kPackK * NB)), run(Nk ? kC * kPackK : 0);
+  std::vector<float> panel(static_cast<size_t>(kPackK * NB));
   float* p = panel.data();
   for (int64_t j = j0; j < j1; j += NB) {
     const int64_t cols = std::min<int64_t>(NB, j1 - j);
     for (int64_t kb = 0; kb < k; kb += kPackK) {
       const int64_t kl = std::min(kPackK, k - kb);
       if constexpr (Nk) {  // w (n, k): w[j:j+cols, kb:kb+kl] transposed -> p (kl x NB)
-        float* r = run.data();
-        for (int64_t c0 = 0; c0 < cols; c0 += kC) {
-          const int64_t cn = std::min(kC, cols - c0);
-          for (int64_t c = 0; c < cn; ++c)
-            WidenRun<Vec, T>(w + (j + c0 + c) * k + kb, kl, nullptr,
-                             scale ? scale + j + c0 + c : nullptr, r + c * kPackK);
-          for (int64_t kk = 0; kk < kl; ++kk)
-            for (int64_t c = 0; c < cn; ++c) p[kk * NB + c0 + c] = r[c * kPackK + kk];
-        }
+        FillTransposed<Vec, T>(w + j * k + kb, k, scale ? scale + j : nullptr, cols, kl, p, NB);
       } else {
         for (int64_t kk = 0; kk < kl; ++kk)  // w[kb:kb+kl, j:j+cols] -> p (kl x NB, cols used)
           WidenRun<Vec, T>(w + (kb + kk) * n + j, cols, scale ? scale + j : nullptr, nullptr,
@@ -377,12 +408,12 @@ inline float Sum(const Vec& v) {
 
 // A block of J embedding rows (J x k contiguous weights) is read as J streams, a vector of each
 // per step, which leaves too few cache misses in flight to keep memory busy: the streaming
-// copies (Ahead) prefetch, per step, as many lines of the block kNkAhead blocks on as the step
-// reads (GPT-2 small's tied head at one row, AVX-512, 2 threads: bfloat16 22 -> 33 GB/s, int8
-// 16 -> 51 GB/s, float32 unchanged at 31). A panel (PackedNk) is in L2 and takes none.
+// copies prefetch, per step, as many lines of the block kNkAhead blocks on as the step reads
+// (GPT-2 small's tied head at one row, AVX-512, 2 threads: bfloat16 22 -> 33 GB/s, int8 16 -> 51
+// GB/s, float32 unchanged at 31).
 constexpr int kNkAhead = 2;
 
-template <typename Vec, typename T, int R, int J, bool Ahead>
+template <typename Vec, typename T, int R, int J>
 inline void NkBlock(int64_t k, const float* x, int64_t ldx, const T* e, int64_t lde,
                     const float* scale, float* y, int64_t ldy) {
   constexpr int W = kW<Vec>;
@@ -394,9 +425,8 @@ inline void NkBlock(int64_t k, const float* x, int64_t ldx, const T* e, int64_t 
   const uintptr_t ahead = reinterpret_cast<uintptr_t>(e) + kNkAhead * J * lde * sizeof(T);
   constexpr int lines = std::max<int>(1, int(J * W * sizeof(T)) / 64);
   for (; kk + W <= k; kk += W) {
-    if constexpr (Ahead)
-      for (int l = 0; l < lines; ++l)
-        __builtin_prefetch(reinterpret_cast<const void*>(ahead + kk * J * sizeof(T) + 64 * l));
+    for (int l = 0; l < lines; ++l)
+      __builtin_prefetch(reinterpret_cast<const void*>(ahead + kk * J * sizeof(T) + 64 * l));
     Vec ev[J];
     for (int j = 0; j < J; ++j) Widen<Vec, T>::Load(ev[j], e + j * lde + kk);
     for (int r = 0; r < R; ++r) {
@@ -417,17 +447,15 @@ constexpr int NkJ(int W, int R) {
   return W == 16 ? (R <= 2 ? 8 : R <= 4 ? 4 : 2) : (R <= 1 ? 8 : R <= 2 ? 4 : R <= 4 ? 2 : 1);
 }
 
-template <typename Vec, typename T, int R, bool Ahead = true>
+template <typename Vec, typename T, int R>
 inline void NkRows(int64_t k, const float* x, int64_t ldx, const T* e, const float* scale,
                    float* y, int64_t ldy, int64_t j0, int64_t j1) {
   constexpr int J = NkJ(kW<Vec>, R);
   int64_t j = j0;
   for (; j + J <= j1; j += J)
-    NkBlock<Vec, T, R, J, Ahead>(k, x, ldx, e + j * k, k, scale ? scale + j : nullptr, y + j,
-                                 ldy);
+    NkBlock<Vec, T, R, J>(k, x, ldx, e + j * k, k, scale ? scale + j : nullptr, y + j, ldy);
   for (; j < j1; ++j)
-    NkBlock<Vec, T, R, 1, Ahead>(k, x, ldx, e + j * k, k, scale ? scale + j : nullptr, y + j,
-                                 ldy);
+    NkBlock<Vec, T, R, 1>(k, x, ldx, e + j * k, k, scale ? scale + j : nullptr, y + j, ldy);
 }
 
 template <typename Vec, typename T>
@@ -453,50 +481,6 @@ void NkRange(int64_t m, int64_t k, const float* x, const T* e, int64_t n, const 
   }
 }
 
-// nk with many rows: per panel of kPackNk embedding rows (each contiguous over all of k), the
-// rows widened (and scaled) once into a float32 panel (kPackNk x k: 192 KB at k = 768, in L2),
-// then every block of up to 8 rows of x takes its dot products with the panel (NkRows on it).
-constexpr int64_t kPackNk = 64;
-
-template <typename Vec, typename T>
-void PackedNk(int64_t m, int64_t k, const float* x, const T* e, int64_t n, const float* scale,
-              float* y, int64_t j0, int64_t j1) {
-  std::vector<float> panel(static_cast<size_t>(kPackNk * k));
-  float* p = panel.data();
-  for (int64_t j = j0; j < j1; j += kPackNk) {
-    const int64_t rows = std::min<int64_t>(kPackNk, j1 - j);
-    for (int64_t c = 0; c < rows; ++c)
-      WidenRun<Vec, T>(e + (j + c) * k, k, nullptr, scale ? scale + j + c : nullptr, p + c * k);
-    for (int64_t i = 0; i < m; i += 8) {
-      const float* xi = x + i * k;
-      float* yi = y + i * n + j;
-      switch (std::min<int64_t>(8, m - i)) {
-#define FLAX_NARROW_PACKED_NK(R) \
-  case R: NkRows<Vec, float, R, false>(k, xi, k, p, nullptr, yi, n, 0, rows); break;
-        FLAX_NARROW_PACKED_NK(1)
-        FLAX_NARROW_PACKED_NK(2)
-        FLAX_NARROW_PACKED_NK(3)
-        FLAX_NARROW_PACKED_NK(4)
-        FLAX_NARROW_PACKED_NK(5)
-        FLAX_NARROW_PACKED_NK(6)
-        FLAX_NARROW_PACKED_NK(7)
-        FLAX_NARROW_PACKED_NK(8)
-#undef FLAX_NARROW_PACKED_NK
-        default: break;
-      }
-    }
-  }
-}
-
-// From this many rows an (n, k) weight is widened into PackedKn's panels, transposed as they are
-// filled (16 weight rows widened, then stored a panel row at a time), rather than PackedNk's
-// dot products, which sum across lanes and hold fewer accumulators with 16 vector registers.
-// GPT-2 small's layer products in int8 (ms, kn's (k, n) weights beside them):
-//   AVX-512:  32 rows PackedNk 3.5, transposed 5.1, kn 3.1; 128 rows 12.3, 11.7, 10.5;
-//             512 rows 48.7, 39.6, 41.9
-//   AVX2:     32 rows PackedNk 5.1, transposed 4.2, kn 3.5; 128 rows 18.2, 12.6, 11.2
-constexpr int64_t TransposeRows(int W) { return W == 16 ? 128 : kPackRows; }
-
 // Columns (kn) or embedding rows (nk) [j0, j1) of the product of m rows: the panels from
 // kPackRows rows, else each weight widened in registers per pass of 8 rows.
 template <typename Vec, typename T>
@@ -504,11 +488,7 @@ inline void Range(bool nk, int64_t m, int64_t k, const float* x, const T* w, int
                   const float* scale, float* y, int64_t j0, int64_t j1) {
   if (m >= kPackRows) {
     if (nk) {
-      if (m >= TransposeRows(kW<Vec>)) {
-        PackedKn<Vec, T, true>(m, k, x, w, n, scale, y, j0, j1);
-      } else {
-        PackedNk<Vec>(m, k, x, w, n, scale, y, j0, j1);
-      }
+      PackedKn<Vec, T, true>(m, k, x, w, n, scale, y, j0, j1);
     } else {
       PackedKn<Vec>(m, k, x, w, n, scale, y, j0, j1);
     }
