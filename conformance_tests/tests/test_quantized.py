@@ -81,6 +81,17 @@ def test_each_copy_of_the_kernel_equals_a_float64_product(level):
     assert not bad, f"level {level} ({narrow.levels()[level]}): {bad}"
 
 
+@needs_narrow
+def test_an_empty_product_is_zeros_of_its_shape_in_each_copy():
+    """No rows, no columns or no contracted features: XLA's product gives zeros of ``(m, n)``,
+    and so does every copy (``k = 0`` writes zeros; ``n = 0`` divided by zero once)."""
+    for level in narrow.levels():
+        for m, k, n, nk in ((3, 0, 5, False), (20, 0, 70, True), (3, 4, 0, False), (0, 4, 5, True)):
+            w = jnp.ones((n, k) if nk else (k, n), jnp.int8)
+            got = narrow.matmul(jnp.ones((m, k)), w, jnp.ones((n,)), nk=nk, level=level)
+            np.testing.assert_array_equal(np.asarray(got), np.zeros((m, n), np.float32))
+
+
 @pytest.mark.quick
 @needs_narrow
 def test_a_level_this_cpu_does_not_run_is_refused_by_name():

@@ -231,11 +231,17 @@ ffi::Error Product(ffi::ThreadPool pool, ffi::Buffer<ffi::F32, 2> x, ffi::AnyBuf
   const float* xp = x.typed_data();
   const void* wp = w.untyped_data();
   float* yp = y->typed_data();
+  if (m == 0 || n == 0) return ffi::Error::Success();
+  if (k == 0) {  // an empty sum: zeros, as XLA's product gives
+    std::fill(yp, yp + m * n, 0.0f);
+    return ffi::Error::Success();
+  }
   // Ranges of columns (kn) or embedding rows (nk), whole multiples of 64 so that no two threads
   // share a cache line of y or (kn) of the weights, taken in turn, so that a thread that starts
   // late or is preempted (a busy machine) does not hold the call up: a few per thread for a few
-  // rows (longer ranges stream the weights better), one panel each from kPackRows rows (each
-  // costs the same whatever the range; finer items keep both threads busy to the end).
+  // rows (longer ranges stream the weights better), 64 columns each from kPackRows rows (one
+  // AVX-512 panel, 4 or 8 narrower ones: a panel costs the same whatever the range, and finer
+  // items keep both threads busy to the end).
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t align = 64;
   const int64_t panels = (n + align - 1) / align;

@@ -23,6 +23,7 @@ XLA's ``dot_general``.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -105,7 +106,7 @@ def matmul(x, w, scale=None, *, nk: bool = False, level: int | None = None):
         raise ValueError(f"level ({level}) must be one this CPU runs ({sorted(widths)})")
     lead, k = x.shape[:-1], x.shape[-1]
     n = w.shape[0] if nk else w.shape[1]
-    rows = x.reshape(-1, k).astype(jnp.float32)  # (m, k)
+    rows = x.reshape(math.prod(lead), k).astype(jnp.float32)  # (m, k)
     scale = jnp.zeros((0,), jnp.float32) if scale is None else scale.astype(jnp.float32)
     call = jax.ffi.ffi_call(
         _TARGETS[level][0],

@@ -268,19 +268,19 @@ void KnPart(int64_t m, int64_t k, const float* x, const T* w, int64_t n, float* 
 // PackV vectors of columns and block of kPackK weight rows, the weights are widened (and
 // scaled) once into a float32 panel (kPackK x panel, 64 KB with AVX-512) that stays in L2, and
 // every block of kPackR rows of x multiplies it in registers (KnBlock on the panel). nk: the
-// same panels, filled from the transposed weight (FillTransposed). Nothing wider than the weight is written to memory but the panel; XLA's product
-// would first write the whole widened matrix. The int8 weights are dequantized (q * scale) as
-// XLA's product has them, so the sums are those of the dequantized matrix, in another order.
+// same panels, filled from the transposed weight (FillTransposed). Nothing wider than the
+// weight is written to memory but the panel; XLA's product would first write the whole widened
+// matrix. The int8 weights are dequantized (q * scale) as XLA's product has them, so the sums
+// are those of the dequantized matrix, in another order.
 constexpr int64_t kPackK = 256;
 constexpr int kPackR = 6;
 // Vectors of columns per panel: 6 x 4 accumulators with 32 vector registers, 6 x 2 with 16.
 // (8 x 3, 12 x 2 and panels of 128 or 512 weight rows measured the same with AVX-512.)
 constexpr int PackV(int W) { return W == 16 ? 4 : 2; }
 
-// `count` weights from p as float32 times scale (one per weight, or `one` for all) into out.
+// `count` weights from p as float32, times scale (one per weight) where given, into out.
 template <typename Vec, typename T>
-inline void WidenRun(const T* p, int64_t count, const float* scale, const float* one,
-                     float* out) {
+inline void WidenRun(const T* p, int64_t count, const float* scale, float* out) {
   constexpr int W = kW<Vec>;
   int64_t c = 0;
   for (; c + W <= count; c += W) {
@@ -290,13 +290,10 @@ inline void WidenRun(const T* p, int64_t count, const float* scale, const float*
       Vec sv;
       LoadF(sv, scale + c);
       v *= sv;
-    } else if (one) {
-      v *= *one;
     }
     Store(out + c, v);
   }
-  for (; c < count; ++c)
-    out[c] = scale ? Scalar<T>(p + c) * scale[c] : one ? Scalar<T>(p + c) * *one : Scalar<T>(p + c);
+  for (; c < count; ++c) out[c] = scale ? Scalar<T>(p + c) * scale[c] : Scalar<T>(p + c);
 }
 
 // t[i][c] <- t[c][i]: W x W floats transposed in registers, in log2(W) rounds that interleave
@@ -304,14 +301,12 @@ inline void WidenRun(const T* p, int64_t count, const float* scale, const float*
 template <typename Vec, std::size_t... I>
 inline void TransposeSquare(Vec* t, std::index_sequence<I...>) {
   constexpr int W = kW<Vec>;
-  using Index = typename Lanes<W>::I32;
-  constexpr Index lo = {int(I % 2 ? I / 2 + W : I / 2)...};
-  constexpr Index hi = {int(I % 2 ? I / 2 + W + W / 2 : I / 2 + W / 2)...};
   for (int round = 1; round < W; round *= 2) {
     Vec u[W];
-    for (int i = 0; i < W / 2; ++i) {
-      u[2 * i] = __builtin_shuffle(t[i], t[i + W / 2], lo);
-      u[2 * i + 1] = __builtin_shuffle(t[i], t[i + W / 2], hi);
+    for (int i = 0; i < W / 2; ++i) {  // indices below W from the first operand, else the second
+      u[2 * i] = __builtin_shufflevector(t[i], t[i + W / 2], int(I % 2 ? I / 2 + W : I / 2)...);
+      u[2 * i + 1] = __builtin_shufflevector(t[i], t[i + W / 2],
+                                             int(I % 2 ? I / 2 + W + W / 2 : I / 2 + W / 2)...);
     }
     for (int i = 0; i < W; ++i) t[i] = u[i];
   }
@@ -336,8 +331,10 @@ inline void FillTransposed(const T* w, int64_t ldw, const float* scale, int64_t 
       for (int i = 0; i < W; ++i) Store(p + (k0 + i) * ldp + c0, t[i]);
     }
   for (int64_t c = 0; c < cols; ++c)  // the edges: columns from cw, rows of w from kw
-    for (int64_t kk = c < cw ? kw : 0; kk < kl; ++kk)
-      p[kk * ldp + c] = scale ? Scalar<T>(w + c * ldw + kk) * scale[c] : Scalar<T>(w + c * ldw + kk);
+    for (int64_t kk = c < cw ? kw : 0; kk < kl; ++kk) {
+      const float v = Scalar<T>(w + c * ldw + kk);
+      p[kk * ldp + c] = scale ? v * scale[c] : v;
+    }
 }
 
 template <typename Vec, typename T, bool Nk = false>
@@ -354,8 +351,7 @@ void PackedKn(int64_t m, int64_t k, const float* x, const T* w, int64_t n, const
         FillTransposed<Vec, T>(w + j * k + kb, k, scale ? scale + j : nullptr, cols, kl, p, NB);
       } else {
         for (int64_t kk = 0; kk < kl; ++kk)  // w[kb:kb+kl, j:j+cols] -> p (kl x NB, cols used)
-          WidenRun<Vec, T>(w + (kb + kk) * n + j, cols, scale ? scale + j : nullptr, nullptr,
-                           p + kk * NB);
+          WidenRun<Vec, T>(w + (kb + kk) * n + j, cols, scale ? scale + j : nullptr, p + kk * NB);
       }
       const bool first = kb == 0;
       int64_t i = 0;
