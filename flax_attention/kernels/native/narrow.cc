@@ -20,7 +20,7 @@
 // nk: per block of J rows of E (contiguous over k) and R rows of x, R x J vector accumulators
 // over k, summed across lanes at the end; the next blocks prefetched.
 // From kPackRows rows (a prompt's prefill), either layout: the weights are widened once per
-// block into a float32 panel in L2 that every block of rows multiplies (PackedKn; nk's weights
+// block into a float32 panel in L2 that every block of rows multiplies (Packed; nk's weights
 // transposed into the same panels in registers, W x W floats at a time), as a GEMM packs its
 // operand: the product runs at the FMAs' rate, as XLA's float32 one does.
 // Work is split over XLA's intra-op thread pool by column (kn) or row (nk) ranges.
@@ -89,7 +89,7 @@ inline float Scalar<int8_t>(const int8_t* p) { return float(*p); }
 
 #if FLAX_NARROW_VECTORS
 // Products of this many rows or more widen each weight once into a float32 panel that every
-// block of rows multiplies (PackedKn: narrow_body.h); fewer rows widen it in registers per pass
+// block of rows multiplies (Packed: narrow_body.h); fewer rows widen it in registers per pass
 // of 8 rows.
 constexpr int64_t kPackRows = 16;
 

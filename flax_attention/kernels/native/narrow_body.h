@@ -337,9 +337,10 @@ inline void FillTransposed(const T* w, int64_t ldw, const float* scale, int64_t 
     }
 }
 
-template <typename Vec, typename T, bool Nk = false>
-void PackedKn(int64_t m, int64_t k, const float* x, const T* w, int64_t n, const float* scale,
-              float* y, int64_t j0, int64_t j1) {
+// Nk: w is (n, k), its panels filled transposed; else (k, n).
+template <typename Vec, typename T, bool Nk>
+void Packed(int64_t m, int64_t k, const float* x, const T* w, int64_t n, const float* scale,
+            float* y, int64_t j0, int64_t j1) {
   constexpr int W = kW<Vec>, V = PackV(W), NB = V * W;
   std::vector<float> panel(static_cast<size_t>(kPackK * NB));
   float* p = panel.data();
@@ -484,9 +485,9 @@ inline void Range(bool nk, int64_t m, int64_t k, const float* x, const T* w, int
                   const float* scale, float* y, int64_t j0, int64_t j1) {
   if (m >= kPackRows) {
     if (nk) {
-      PackedKn<Vec, T, true>(m, k, x, w, n, scale, y, j0, j1);
+      Packed<Vec, T, true>(m, k, x, w, n, scale, y, j0, j1);
     } else {
-      PackedKn<Vec>(m, k, x, w, n, scale, y, j0, j1);
+      Packed<Vec, T, false>(m, k, x, w, n, scale, y, j0, j1);
     }
   } else if (nk) {
     NkRange<Vec>(m, k, x, w, n, scale, y, j0, j1);
