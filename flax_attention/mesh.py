@@ -52,6 +52,7 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from flax_attention._checks import check_choice, check_instance, check_int
+from flax_attention._graph import walk
 
 __all__ = [
     "DATA",
@@ -371,7 +372,7 @@ def parameters_mesh(module: nnx.Module):
     """The mesh ``module``'s parameters are placed on (``flax_attention.shard``), or ``None``
     (not sharded, or traced)."""
     check_instance("module", module, nnx.Pytree, "an nnx.Module or other nnx.Pytree")
-    for _, node in nnx.iter_graph(module):
+    for node in walk(module).variables:
         if isinstance(node, nnx.Param):
             value = node.get_value()
             sharding = getattr(value, "sharding", None)

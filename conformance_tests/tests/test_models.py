@@ -12,7 +12,9 @@ errors bad inputs raise.
 from __future__ import annotations
 
 import itertools
+import os
 import re
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -411,6 +413,67 @@ def test_generate_takes_any_model_meeting_its_protocol(pair):
         TypeError, match=r"^model \(Linear\) must be a GPTModel or another .*CausalLM"
     ):
         models.generate(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), PROMPTS[:, :5], 2, 16)
+
+
+class _GraphOnly(_Wrapped, pytree=False):
+    """``_Wrapped`` declared ``pytree=False``: JAX cannot flatten it, nnx's graph can."""
+
+
+class _HeldTwice(_Wrapped):
+    """``_Wrapped`` holding its model twice: flattened as a pytree it would come back as two."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.again = inner
+
+
+def _graph_walks(call) -> int:
+    """How many of nnx's graph traversals (``nnx.split``'s flatten, ``nnx.iter_graph``) ``call()``
+    starts."""
+    started = 0
+
+    def profile(frame, event, arg):
+        nonlocal started
+        code = frame.f_code
+        if event == "call" and code.co_name in ("flatten", "iter_graph"):
+            started += code.co_filename.endswith(os.path.join("nnx", "graphlib.py"))
+
+    sys.setprofile(profile)
+    try:
+        call()
+    finally:
+        sys.setprofile(None)
+    return started
+
+
+def test_generate_hands_jit_a_plain_model_whole_and_splits_any_other_with_nnx(pair):
+    """A model JAX flattens (every ``nnx.Module`` unless declared ``pytree=False``) goes into
+    ``generate``'s jit as it is: once compiled, a call walks no nnx graph (``nnx.split`` took 16
+    of a call's 50 ms of Python on GPT-2 small, ``docs/performance.md``). One JAX cannot flatten,
+    or that holds a module twice (two copies as a pytree), goes through ``nnx.split``. The
+    tokens are the book's either way."""
+    from flax_attention._graph import walk
+
+    twin, model = pair
+    expected = _book(book_gpt.generate_text_simple, twin, PROMPTS[:, :5], 6, 16)
+    run = {}
+    for name, other in [("plain", _Wrapped(model)), ("pytree=False", _GraphOnly(model)),
+                        ("held twice", _HeldTwice(model))]:  # fmt: skip
+
+        def call(other=other):
+            run["tokens"] = np.asarray(models.generate(other, PROMPTS[:, :5], 6, 16))
+
+        call()  # compiles
+        np.testing.assert_array_equal(run["tokens"], expected, err_msg=name)
+        walks = _graph_walks(call)
+        np.testing.assert_array_equal(run["tokens"], expected, err_msg=name)
+        assert (walks == 0) == (name == "plain"), f"{name}: {walks} nnx graph walks a call"
+        assert walk(other).tree == (name == "plain"), name
+    # the walk finds nnx's variables, each once, past a node held twice or declared opaque
+    variables = {id(x) for _, x in nnx.iter_graph(model) if isinstance(x, nnx.Variable)}
+    for other in (model, _GraphOnly(model), _HeldTwice(model)):
+        found = walk(other).variables
+        assert len(found) == len(variables) and {id(x) for x in found} == variables
 
 
 def test_a_tiny_temperature_is_greedy_and_a_huge_one_draws_anew_each_step(pair):
