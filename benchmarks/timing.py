@@ -2,11 +2,12 @@
 
 The machine is shared and noisy, so the callables compared in one ratio are timed round-robin
 (call 1 of each, then call 2 of each, ...): a burst of load from elsewhere hits all of them, and
-the ratio of medians stays meaningful where absolute times drift. The rounds' orders come from a
-balanced Latin square (``rotations``): torch's OpenMP threads spin for a few milliseconds after
-its call returns, which slows whatever runs next (by how much: docs/performance.md, "Measurements
-behind the benchmarks' own choices"), so no callable always comes right after torch, or after any
-one other callable.
+the ratio of medians stays meaningful where absolute times drift. torch's OpenMP threads spin for
+about 10 ms after its call returns, and XLA's pool for less, which slows whatever runs next (by
+how much: docs/performance.md, "Measurements behind the benchmarks' own choices"), so each call
+of a round starts ``SETTLE_S`` after the one before ended, as it would run alone; and the rounds'
+orders come from a balanced Latin square (``rotations``), so no callable always comes right after
+any one other.
 """
 
 from __future__ import annotations
@@ -18,7 +19,11 @@ from collections.abc import Callable
 
 import jax
 
-__all__ = ["Timing", "block", "interleaved", "median_ms", "rotations", "time_calls"]
+__all__ = ["SETTLE_S", "Timing", "block", "interleaved", "median_ms", "rotations", "time_calls"]
+
+#: Seconds between the calls of a round, for the threads of the call before to go to sleep: an
+#: XLA product of 12.3 ms took 17.4 ms right after a torch call, 16.1 after 1 ms, 12.3 after 10.
+SETTLE_S = 0.02
 
 
 class Timing(dict):
@@ -75,13 +80,14 @@ def rotations(names: list, repeats: int):
 
 def interleaved(fns: dict[str, Callable[[], object]], repeats: int, progress=None):
     """``{name: Timing}`` from ``repeats`` rounds, each calling every ``fn`` once, in the orders
-    of ``rotations``.
+    of ``rotations``, ``SETTLE_S`` apart (not timed).
 
     ``progress`` (a ``conformance_tests.progress.Bar``, or ``None``) is advanced once per call.
     """
     samples: dict[str, list[float]] = {name: [] for name in fns}
     for order in rotations(list(fns), repeats):
         for name in order:
+            time.sleep(SETTLE_S)
             samples[name].append(_once(fns[name]))
             if progress is not None:
                 progress.update(1)
