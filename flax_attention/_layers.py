@@ -27,6 +27,8 @@ from flax_attention.mesh import (
 )
 
 __all__ = [
+    "FLOAT32_ROWS",
+    "FLOAT32_WEIGHT",
     "NARROW_ROWS",
     "Dropout",
     "Embed",
@@ -47,23 +49,38 @@ __all__ = [
 #: into a float32 panel that every block of rows multiplies).
 NARROW_ROWS = {jnp.dtype(jnp.bfloat16): 4, jnp.dtype(jnp.int8): None}
 
+#: The fewest rows of a float32 product that go to the kernel, with a weight of at most
+#: ``FLOAT32_WEIGHT`` floats, where its AVX-512 copy runs. From 2048 rows the kernel widens the
+#: whole weight into panels and each task takes a block of rows across all of them; XLA's dot
+#: (YNNPACK's) streams the rows from memory again and again: GPT-2's 768 x 768 product of 8192
+#: rows ran at 212 GFLOP/s on the kernel against XLA's 167, 2048 rows at 197-211 against
+#: 168-201; below, XLA's is as fast or faster (docs/performance.md, "Float32 products of many
+#: rows"). The AVX2 copy lost to XLA at 2048 rows on the AVX2 stand-in, so there XLA's stays.
+FLOAT32_ROWS = 2048
+FLOAT32_WEIGHT = 1 << 22  # the kernel's panels for the whole weight: 16 MB (kWholeFloats)
+
 
 def narrow_product_ok(rows: int, weight) -> bool:
     """Whether a product of ``rows`` rows with ``weight`` runs on the narrow-weight kernel: a
-    bfloat16 weight at up to ``NARROW_ROWS[bfloat16]`` rows, an int8 weight at any number, on
-    the CPU with the kernel built, outside any mesh (a custom call would gather a sharded weight
-    onto every device)."""
-    # float32: XLA's products (the kernel's float32 path is for the benchmarks)
+    bfloat16 weight at up to ``NARROW_ROWS[bfloat16]`` rows, an int8 weight at any number, a
+    float32 one of at most ``FLOAT32_WEIGHT`` floats from ``FLOAT32_ROWS`` rows where the
+    kernel's AVX-512 copy runs, on the CPU with the kernel built, outside any mesh (a custom
+    call would gather a sharded weight onto every device)."""
     dtype = jnp.dtype(weight.dtype)
-    if dtype not in NARROW_ROWS or weight.ndim != 2 or rows < 1:
+    if weight.ndim != 2 or rows < 1:
         return False
-    if NARROW_ROWS[dtype] is not None and rows > NARROW_ROWS[dtype]:
+    if dtype == jnp.float32:
+        if rows < FLOAT32_ROWS or weight.size > FLOAT32_WEIGHT:
+            return False
+    elif dtype not in NARROW_ROWS:
+        return False
+    elif NARROW_ROWS[dtype] is not None and rows > NARROW_ROWS[dtype]:
         return False
     if jax.default_backend() != "cpu" or not jax.sharding.get_abstract_mesh().empty:
         return False
     from flax_attention.kernels.native import narrow
 
-    return narrow.available()
+    return narrow.available() and (dtype != jnp.float32 or narrow.AVX512 in narrow.levels())
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -158,8 +175,9 @@ def rows_dot_general(lhs, rhs, dimension_numbers, precision=None, **options):
     docs/performance.md, "Where a training step's time goes").
 
     A decode step's few rows (``narrow_product_ok``) go to the narrow-weight kernel, which reads
-    a bfloat16 or int8 matrix at its own width (XLA widens it to float32 in memory first); the
-    result is float32 rounded to the product's dtype."""
+    a bfloat16 or int8 matrix at its own width (XLA widens it to float32 in memory first), and
+    so do float32 products of many rows (``FLOAT32_ROWS``), which it runs faster than XLA's dot;
+    the result is float32 rounded to the product's dtype."""
     (lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch) = dimension_numbers
     rows_by_matrix = (  # x (..., d_in) @ a 2-D weight, over x's last axis
         lhs.ndim >= 2
@@ -176,8 +194,10 @@ def rows_dot_general(lhs, rhs, dimension_numbers, precision=None, **options):
         and options.get("out_sharding") is None
         and (no_mesh or not any(spec_of(lhs)))
     )
-    narrow = plain and jnp.dtype(rhs.dtype) in NARROW_ROWS  # else XLA's, as every float32
-    if narrow and narrow_product_ok(math.prod(lhs.shape[:-1]), rhs):
+    count = math.prod(lhs.shape[:-1])
+    # (a float32 product of fewer rows is XLA's without asking: a forward's every Linear)
+    small = count < FLOAT32_ROWS and jnp.dtype(rhs.dtype) == jnp.float32
+    if plain and not small and narrow_product_ok(count, rhs):
         rows = lhs.reshape(-1, lhs.shape[-1])  # (rows, d_in)
         dtype = options.get("preferred_element_type") or jnp.result_type(lhs, rhs)
         out = _narrow(rows, rhs, tuple(rhs_contracting) == (1,)).astype(dtype)  # (rows, d_out)

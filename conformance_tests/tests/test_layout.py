@@ -91,12 +91,14 @@ def test_the_import_graph_of_flax_attention_has_no_cycle():
 def test_sharding_imports_no_layer_and_the_bottom_modules_import_nothing_of_the_package():
     graph = import_graph()
     assert not graph["flax_attention.sharding"] & LAYER_MODULES, graph["flax_attention.sharding"]
-    # The bottom modules import nothing of the package but its argument checks, which import
-    # nothing.
-    assert graph["flax_attention._checks"] == set(), graph["flax_attention._checks"]
+    # The bottom modules import nothing of the package but its argument checks and its graph
+    # walk, which import nothing.
+    below = {"flax_attention._checks", "flax_attention._graph"}
+    for module in below:
+        assert graph[module] == set(), f"{module} imports {graph[module]}"
     bottoms = ("mesh", "masking", "kernels.dropout_hash")
     for bottom in (f"flax_attention.{name}" for name in bottoms):
-        assert graph[bottom] <= {"flax_attention._checks"}, f"{bottom} imports {graph[bottom]}"
+        assert graph[bottom] <= below, f"{bottom} imports {graph[bottom]}"
     # The kernels see only the mask description (and the tiled kernels the dropout hash they
     # share), never the core that dispatches to them; the native kernel also reads the mesh
     # module (its shard_map specs), to run once per device on a mesh.

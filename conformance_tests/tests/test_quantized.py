@@ -16,7 +16,7 @@ from flax import nnx
 import flax_attention as fa
 from conformance_tests import book_gpt
 from flax_attention import models
-from flax_attention._layers import NARROW_ROWS
+from flax_attention._layers import FLOAT32_ROWS, NARROW_ROWS, rows_dot_general
 from flax_attention.kernels.native import narrow
 from flax_attention.models import quantized as quantized_module
 from flax_attention.models.checkpoints import new_model
@@ -55,10 +55,12 @@ def test_each_copy_of_the_kernel_equals_a_float64_product(level):
     (blocks of 6 rows, then 5; a panel wider than the columns left; ``k = 300``: a second block
     of 256 weight rows added to the first). An ``(n, k)`` weight fills those panels transposed,
     in squares of the vector width and one weight at a time at the edges (``k`` and ``n`` no
-    multiples of it); 257 rows: many blocks of rows per panel."""
+    multiples of it); 257 rows: many blocks of rows per panel; 2053 rows: the whole weight
+    widened into panels first, then blocks of 96 rows across all of them (the last block 37
+    rows: 6 blocks of 6, then 1)."""
     rng = np.random.default_rng(level)
     worst = {}
-    for rows in (1, 3, 8, 9, 17, 257):
+    for rows in (1, 3, 8, 9, 17, 257, 2053):
         shapes = ((7, 5), (33, 70), (130, 509)) if rows < 257 else ((33, 70),)
         for k, n in shapes + (((300, 90),) if rows >= 17 else ()):
             x = rng.standard_normal((rows, k)).astype(np.float32)
@@ -79,6 +81,30 @@ def test_each_copy_of_the_kernel_equals_a_float64_product(level):
                     worst[case] = _error(got, want)
     bad = {case: err for case, err in worst.items() if err > 1e-5}
     assert not bad, f"level {level} ({narrow.levels()[level]}): {bad}"
+
+
+def test_float32_products_of_many_rows_run_on_the_kernel_where_its_avx512_copy_runs():
+    """A Linear's float32 product goes to the kernel from ``FLOAT32_ROWS`` rows where the
+    kernel's AVX-512 copy runs (it beats XLA's dot there), else to XLA's; either way the
+    values are a float64 product's within float32 rounding, and the gradient is XLA's products
+    of the same operands."""
+    rng = np.random.default_rng(5)
+    w = jnp.asarray(rng.standard_normal((40, 24)), jnp.float32)  # (k, n)
+    numbers = (((1,), (0,)), ((), ()))
+    kernel = narrow.available() and narrow.AVX512 in narrow.levels()
+    for rows in (FLOAT32_ROWS - 1, FLOAT32_ROWS):
+        x = jnp.asarray(rng.standard_normal((rows, 40)), jnp.float32)
+        calls = str(jax.make_jaxpr(lambda x, w: rows_dot_general(x, w, numbers))(x, w))
+        assert ("ffi_call" in calls) == (kernel and rows >= FLOAT32_ROWS), (rows, calls)
+        got = rows_dot_general(x, w, numbers)
+        assert _error(got, np.asarray(x, np.float64) @ np.asarray(w, np.float64)) < 1e-6
+        g = jnp.asarray(rng.standard_normal((rows, 24)), jnp.float32)
+        grads = jax.grad(lambda x, w, g=g: jnp.sum(rows_dot_general(x, w, numbers) * g), (0, 1))(
+            x, w
+        )
+        x64, w64, g64 = (np.asarray(a, np.float64) for a in (x, w, g))
+        for got, want in zip(grads, (g64 @ w64.T, x64.T @ g64), strict=True):
+            assert _error(got, want) < 1e-6
 
 
 @needs_narrow

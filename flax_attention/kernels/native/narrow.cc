@@ -22,7 +22,9 @@
 // From kPackRows rows (a prompt's prefill), either layout: the weights are widened once per
 // block into a float32 panel in L2 that every block of rows multiplies (Packed; nk's weights
 // transposed into the same panels in registers, W x W floats at a time), as a GEMM packs its
-// operand: the product runs at the FMAs' rate, as XLA's float32 one does.
+// operand: the product runs at the FMAs' rate, as XLA's float32 one does. From kWholeRows
+// rows the whole weight is widened into panels first and each task takes a block of rows
+// across all of them (FillPanels, PanelRows): the same floats summed in the same order.
 // Work is split over XLA's intra-op thread pool by column (kn) or row (nk) ranges.
 //
 // One source, written with GCC / Clang vector extensions over a vector type of W floats and
@@ -105,6 +107,23 @@ constexpr int64_t kPackRows = 16;
       case 2: Range<Vec>(nk, m, k, x, (const int8_t*)w, n, scale, y, j0, j1); break;         \
       default: break;                                                                        \
     }                                                                                        \
+  }                                                                                          \
+  __attribute__((flatten)) void Fill(int type, bool nk, int64_t k, int64_t n, const void* w,    \
+                                     const float* scale, float* packed, int64_t q0, int64_t q1) { \
+    switch (type * 2 + nk) {                                                                 \
+      case 0: FillPanels<Vec, float, false>(k, (const float*)w, n, scale, packed, q0, q1); break; \
+      case 1: FillPanels<Vec, float, true>(k, (const float*)w, n, scale, packed, q0, q1); break; \
+      case 2: FillPanels<Vec, Bf16, false>(k, (const Bf16*)w, n, scale, packed, q0, q1); break; \
+      case 3: FillPanels<Vec, Bf16, true>(k, (const Bf16*)w, n, scale, packed, q0, q1); break; \
+      case 4: FillPanels<Vec, int8_t, false>(k, (const int8_t*)w, n, scale, packed, q0, q1); break; \
+      case 5: FillPanels<Vec, int8_t, true>(k, (const int8_t*)w, n, scale, packed, q0, q1); break; \
+      default: break;                                                                        \
+    }                                                                                        \
+  }                                                                                          \
+  constexpr int64_t kPanelCols = PackV(kW<Vec>) * kW<Vec>;                                   \
+  __attribute__((flatten)) void Rows(int64_t i0, int64_t i1, int64_t k, const float* x,       \
+                                     const float* packed, int64_t n, float* y) {              \
+    PanelRows<Vec>(i0, i1, k, x, packed, n, y);                                              \
   }                                                                                          \
   __attribute__((flatten)) void Part(int type, int64_t m, int64_t k, int64_t n, const float* x, \
                                      const void* w, float* y, int64_t k0, int64_t k1) {      \
@@ -202,13 +221,26 @@ using ProductFn = void (*)(int, bool, int64_t, int64_t, int64_t, const float*, c
                            const float*, float*, int64_t, int64_t);
 using PartFn = void (*)(int, int64_t, int64_t, int64_t, const float*, const void*, float*, int64_t,
                         int64_t);
+using FillFn = void (*)(int, bool, int64_t, int64_t, const void*, const float*, float*, int64_t,
+                        int64_t);
+using RowsFn = void (*)(int64_t, int64_t, int64_t, const float*, const float*, int64_t, float*);
+
+// From kWholeRows rows, a weight of up to kWholeFloats floats is widened whole into panels
+// first (FillPanels), then each task takes kRowBlock rows of x across every panel (PanelRows):
+// the rows stay in L2 while the panels come from L3, where one task per panel streams all of x
+// (and y) from memory once per panel. Float32 products of 768 x 768 weights (AVX-512, 2
+// threads): 8192 rows 212 GFLOP/s against 178 one panel a task (XLA's dot: 167), 2048 rows 197
+// against 178; at 512 and 1024 rows one panel a task is faster (docs/performance.md).
+constexpr int64_t kWholeRows = 2048;
+constexpr int64_t kWholeFloats = int64_t(1) << 22;  // 16 MB of panels
+constexpr int64_t kRowBlock = 96;
 
 // Products of up to this many rows with a (k, n) weight are split over the weight's rows (one
 // contiguous block a task, partial sums added at the end) instead of over its columns.
 constexpr int64_t kSplitRows = 8;
 
 // x (m, k) float32; w (k, n) or, nk, (n, k); scale (n,) for int8 and (0,) otherwise; y (m, n).
-template <ProductFn product, PartFn part>
+template <ProductFn product, PartFn part, FillFn fill, RowsFn across, int64_t panel_cols>
 ffi::Error Product(ffi::ThreadPool pool, ffi::Buffer<ffi::F32, 2> x, ffi::AnyBuffer w,
                    ffi::Buffer<ffi::F32, 1> scale, ffi::ResultBuffer<ffi::F32, 2> y, bool nk) {
   const auto xd = x.dimensions();
@@ -271,6 +303,22 @@ ffi::Error Product(ffi::ThreadPool pool, ffi::Buffer<ffi::F32, 2> x, ffi::AnyBuf
     }
     return ffi::Error::Success();
   }
+  if constexpr (fill != nullptr) {
+    const int64_t panel_count = (n + panel_cols - 1) / panel_cols;
+    if (m >= kWholeRows && k * panel_count * panel_cols <= kWholeFloats) {
+      // (the calling thread's buffer, kept for its next call: XLA may run two products at once
+      // from two threads, never two on one)
+      thread_local std::vector<float> buffer;
+      buffer.resize(static_cast<size_t>(k * panel_count * panel_cols));
+      float* packed = buffer.data();
+      ParallelFor(pool, panel_count,
+                  [&](int64_t q) { fill(type, nk, k, n, wp, s, packed, q, q + 1); });
+      ParallelFor(pool, (m + kRowBlock - 1) / kRowBlock, [&](int64_t b) {
+        across(b * kRowBlock, std::min(m, (b + 1) * kRowBlock), k, xp, packed, n, yp);
+      });
+      return ffi::Error::Success();
+    }
+  }
   if (items == 1 || m * k * n < (1 << 16)) {
     for (int64_t item = 0; item < items; ++item) body(item);
   } else {
@@ -309,11 +357,21 @@ extern "C" int FlaxNarrowWidth(int level) {
 #endif
 }
 
+#if FLAX_NARROW_VECTORS
+#define FLAX_NARROW_FILL(fn) fn::Fill
+#define FLAX_NARROW_ROWS(fn) fn::Rows
+#define FLAX_NARROW_PANEL(fn) fn::kPanelCols
+#else
+#define FLAX_NARROW_FILL(fn) nullptr
+#define FLAX_NARROW_ROWS(fn) nullptr
+#define FLAX_NARROW_PANEL(fn) 1
+#endif
 #define FLAX_NARROW_HANDLER(symbol, fn)                                  \
   static ffi::Error symbol##Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32, 2> x, ffi::AnyBuffer w, \
                           ffi::Buffer<ffi::F32, 1> scale, ffi::ResultBuffer<ffi::F32, 2> y, \
                           bool nk) {                                     \
-    return Product<fn::Product, fn::Part>(pool, x, w, scale, y, nk);                        \
+    return Product<fn::Product, fn::Part, FLAX_NARROW_FILL(fn), FLAX_NARROW_ROWS(fn),        \
+                   FLAX_NARROW_PANEL(fn)>(pool, x, w, scale, y, nk);                          \
   }                                                                      \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(symbol, symbol##Impl,                    \
                                 ffi::Ffi::Bind()                         \

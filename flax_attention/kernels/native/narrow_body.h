@@ -378,6 +378,59 @@ void Packed(int64_t m, int64_t k, const float* x, const T* w, int64_t n, const f
   }
 }
 
+// The whole weight widened (and scaled) once into float32 panels of NB columns, panel q at
+// packed + q * k * NB, (k x NB) row-major: the panels [q0, q1). Nk: w is (n, k), else (k, n).
+template <typename Vec, typename T, bool Nk>
+void FillPanels(int64_t k, const T* w, int64_t n, const float* scale, float* packed, int64_t q0,
+                int64_t q1) {
+  constexpr int W = kW<Vec>, NB = PackV(W) * W;
+  for (int64_t q = q0; q < q1; ++q) {
+    const int64_t j = q * NB, cols = std::min<int64_t>(NB, n - j);
+    float* p = packed + q * k * NB;
+    if constexpr (Nk) {
+      FillTransposed<Vec, T>(w + j * k, k, scale ? scale + j : nullptr, cols, k, p, NB);
+    } else {
+      for (int64_t kk = 0; kk < k; ++kk)
+        WidenRun<Vec, T>(w + kk * n + j, cols, scale ? scale + j : nullptr, p + kk * NB);
+    }
+  }
+}
+
+// Rows [i0, i1) of y over every panel FillPanels made: the rows' x (in L2) meets each panel in
+// turn, in blocks of kPackK weight rows, as Packed sums them (the same floats, the same order).
+template <typename Vec>
+void PanelRows(int64_t i0, int64_t i1, int64_t k, const float* x, const float* packed, int64_t n,
+               float* y) {
+  constexpr int W = kW<Vec>, V = PackV(W), NB = V * W;
+  for (int64_t j = 0; j < n; j += NB) {
+    const int64_t cols = std::min<int64_t>(NB, n - j);
+    const float* panel = packed + j * k;  // (j / NB) * k * NB
+    for (int64_t kb = 0; kb < k; kb += kPackK) {
+      const int64_t kl = std::min(kPackK, k - kb);
+      const float* p = panel + kb * NB;
+      const bool first = kb == 0;
+      int64_t i = i0;
+      for (; i + kPackR <= i1; i += kPackR)
+        KnTiles<Vec, float, kPackR, V>(kl, x + i * k + kb, k, p, NB, nullptr, y + i * n + j, n, 0,
+                                       cols, first);
+      switch (i1 - i) {
+#define FLAX_NARROW_PACKED(R)                                                                  \
+  case R:                                                                                      \
+    KnTiles<Vec, float, R, V>(kl, x + i * k + kb, k, p, NB, nullptr, y + i * n + j, n, 0, cols, \
+                              first);                                                          \
+    break;
+        FLAX_NARROW_PACKED(1)
+        FLAX_NARROW_PACKED(2)
+        FLAX_NARROW_PACKED(3)
+        FLAX_NARROW_PACKED(4)
+        FLAX_NARROW_PACKED(5)
+#undef FLAX_NARROW_PACKED
+        default: break;
+      }
+    }
+  }
+}
+
 // ---- nk: y[r][j] = sum_k x[r][k] e[j][k] (* scale[j]) ----------------------------------------
 
 template <typename Vec>
