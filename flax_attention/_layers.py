@@ -51,11 +51,11 @@ NARROW_ROWS = {jnp.dtype(jnp.bfloat16): 4, jnp.dtype(jnp.int8): None}
 
 #: The fewest rows of a float32 product that go to the kernel, with a weight of at most
 #: ``FLOAT32_WEIGHT`` floats, where its AVX-512 copy runs. From 2048 rows the kernel widens the
-#: whole weight into panels and each task takes a block of rows across all of them; XLA's dot
-#: (YNNPACK's) streams the rows from memory again and again: GPT-2's 768 x 768 product of 8192
-#: rows ran at 212 GFLOP/s on the kernel against XLA's 167, 2048 rows at 197-211 against
-#: 168-201; below, XLA's is as fast or faster (docs/performance.md, "Float32 products of many
-#: rows"). The AVX2 copy lost to XLA at 2048 rows on the AVX2 stand-in, so there XLA's stays.
+#: whole weight into panels and each task takes a block of rows across all of them: GPT-2
+#: small's six layer products ran at 212 GFLOP/s on it at 8192 rows against XLA's dot (YNNPACK's)
+#: 167, at 2048 rows 197-211 against 168-201; below, XLA's is as fast or faster
+#: (docs/performance.md, "`generate`'s Python, settled rounds, and float32 products of many
+#: rows"). The AVX2 copy lost to XLA's at 2048 rows on the AVX2 stand-in, so there XLA's stays.
 FLOAT32_ROWS = 2048
 FLOAT32_WEIGHT = 1 << 22  # the kernel's panels for the whole weight: 16 MB (kWholeFloats)
 

@@ -228,9 +228,10 @@ using RowsFn = void (*)(int64_t, int64_t, int64_t, const float*, const float*, i
 // From kWholeRows rows, a weight of up to kWholeFloats floats is widened whole into panels
 // first (FillPanels), then each task takes kRowBlock rows of x across every panel (PanelRows):
 // the rows stay in L2 while the panels come from L3, where one task per panel streams all of x
-// (and y) from memory once per panel. Float32 products of 768 x 768 weights (AVX-512, 2
+// (and y) from memory once per panel. GPT-2 small's six layer products in float32 (AVX-512, 2
 // threads): 8192 rows 212 GFLOP/s against 178 one panel a task (XLA's dot: 167), 2048 rows 197
-// against 178; at 512 and 1024 rows one panel a task is faster (docs/performance.md).
+// against 178; at 512 and 1024 rows one panel a task is as fast or faster (docs/performance.md,
+// "`generate`'s Python, settled rounds, and float32 products of many rows").
 constexpr int64_t kWholeRows = 2048;
 constexpr int64_t kWholeFloats = int64_t(1) << 22;  // 16 MB of panels
 constexpr int64_t kRowBlock = 96;
