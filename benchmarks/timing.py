@@ -3,11 +3,11 @@
 The machine is shared and noisy, so the callables compared in one ratio are timed round-robin
 (call 1 of each, then call 2 of each, ...): a burst of load from elsewhere hits all of them, and
 the ratio of medians stays meaningful where absolute times drift. torch's OpenMP threads spin for
-about 10 ms after its call returns, and XLA's pool for less, which slows whatever runs next (by
-how much: docs/performance.md, "Measurements behind the benchmarks' own choices"), so each call
-of a round starts ``SETTLE_S`` after the one before ended, as it would run alone; and the rounds'
-orders come from a balanced Latin square (``rotations``), so no callable always comes right after
-any one other.
+about 10 ms after its call returns, and XLA's pool less (a torch product took 12.5 ms right after
+an XLA call, 12.0 after torch's), which slows whatever runs next (docs/performance.md,
+"Measurements behind the benchmarks' own choices"). So each call of a round starts ``SETTLE_S``
+after the one before ended, as it would run alone, and the rounds' orders come from a balanced
+Latin square (``rotations``), so no callable always comes right after any one other.
 """
 
 from __future__ import annotations

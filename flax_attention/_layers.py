@@ -50,22 +50,24 @@ __all__ = [
 NARROW_ROWS = {jnp.dtype(jnp.bfloat16): 4, jnp.dtype(jnp.int8): None}
 
 #: The fewest rows of a float32 product that go to the kernel, with a weight of at most
-#: ``FLOAT32_WEIGHT`` floats, where its AVX-512 copy runs. From 2048 rows the kernel widens the
-#: whole weight into panels and each task takes a block of rows across all of them: GPT-2
-#: small's six layer products ran at 212 GFLOP/s on it at 8192 rows against XLA's dot (YNNPACK's)
-#: 167, at 2048 rows 197-211 against 168-201; below, XLA's is as fast or faster
+#: ``FLOAT32_WEIGHT`` floats, where its AVX-512 copy runs (16-float vectors). From 2048 rows the
+#: kernel widens the whole weight into panels and each task takes a block of rows across all of
+#: them: GPT-2 small's six layer products ran at 212 GFLOP/s on it at 8192 rows against XLA's
+#: dot (YNNPACK's) 167, at 2048 rows 197-211 against 168-201; below, XLA's is as fast or faster
 #: (docs/performance.md, "`generate`'s Python, settled rounds, and float32 products of many
-#: rows"). The AVX2 copy lost to XLA's at 2048 rows on the AVX2 stand-in, so there XLA's stays.
+#: rows"). On the AVX2 stand-in the AVX2 copy won at 8192 rows (176 against 157) but lost at
+#: 2048 (187 against 205) to XLA's dot, which ran AVX-512 code there (YNNPACK ignores
+#: --xla_cpu_max_isa): not measured against AVX2 code, so with AVX2 XLA's stays.
 FLOAT32_ROWS = 2048
-FLOAT32_WEIGHT = 1 << 22  # the kernel's panels for the whole weight: 16 MB (kWholeFloats)
+FLOAT32_WEIGHT = 1 << 22  # 16 MB; a weight whose padded panels pass it takes a panel a task
 
 
 def narrow_product_ok(rows: int, weight) -> bool:
     """Whether a product of ``rows`` rows with ``weight`` runs on the narrow-weight kernel: a
     bfloat16 weight at up to ``NARROW_ROWS[bfloat16]`` rows, an int8 weight at any number, a
     float32 one of at most ``FLOAT32_WEIGHT`` floats from ``FLOAT32_ROWS`` rows where the
-    kernel's AVX-512 copy runs, on the CPU with the kernel built, outside any mesh (a custom
-    call would gather a sharded weight onto every device)."""
+    kernel runs 16-float (AVX-512) vectors; on the CPU with the kernel built, outside any mesh
+    (a custom call would gather a sharded weight onto every device)."""
     dtype = jnp.dtype(weight.dtype)
     if weight.ndim != 2 or rows < 1:
         return False
@@ -80,32 +82,30 @@ def narrow_product_ok(rows: int, weight) -> bool:
         return False
     from flax_attention.kernels.native import narrow
 
-    return narrow.available() and (dtype != jnp.float32 or narrow.AVX512 in narrow.levels())
+    return narrow.available() and (dtype != jnp.float32 or narrow.width() == 16)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
 def _narrow(rows, weight, nk: bool):
     """``rows (m, k) @ weight`` (``(k, n)``, or ``(n, k)`` with ``nk``) on the narrow kernel,
-    float32; its gradient is XLA's products of the same operands."""
+    float32. Its derivatives are XLA's products of the same operands: the tangent rule below,
+    which reverse mode transposes (``d_out @ w.T``, ``x.T @ d_out``), so ``jvp``, ``grad`` and
+    their compositions all work."""
     from flax_attention.kernels.native import narrow
 
     return narrow.matmul(rows, weight, nk=nk)
 
 
-def _narrow_fwd(rows, weight, nk):
-    return _narrow(rows, weight, nk), (rows, weight)
-
-
-def _narrow_bwd(nk, residuals, d_out):
-    rows, weight = residuals
-    w, x = weight.astype(jnp.float32), rows.astype(jnp.float32)
-    d_out = d_out.astype(jnp.float32)  # (m, n)
-    d_rows = d_out @ (w if nk else w.T)  # (m, k)
-    d_weight = d_out.T @ x if nk else x.T @ d_out  # as weight
-    return d_rows.astype(rows.dtype), d_weight.astype(weight.dtype)
-
-
-_narrow.defvjp(_narrow_fwd, _narrow_bwd)
+@_narrow.defjvp
+def _narrow_jvp(nk, primals, tangents):
+    rows, weight = primals
+    d_rows, d_weight = tangents
+    w = weight.astype(jnp.float32)
+    d_out = d_rows.astype(jnp.float32) @ (w.T if nk else w)  # (m, n)
+    if jnp.issubdtype(weight.dtype, jnp.floating):  # an int8 weight has no tangent
+        d_w = d_weight.astype(jnp.float32)
+        d_out = d_out + rows.astype(jnp.float32) @ (d_w.T if nk else d_w)
+    return _narrow(rows, weight, nk), d_out
 
 
 class Embed(nnx.Embed):

@@ -369,10 +369,16 @@ def test_generate_runs_a_train_mode_model_in_eval_mode_and_leaves_it_in_train_mo
     dropping = _flax(fa.state_dict(model), cfg={**CFG, "drop_rate": 0.5})
     dropping.train()
     expected = _book(book_gpt.generate_text_simple, twin, PROMPTS[:, :5], 8, 16)
+    compiled = models.generation._generate._cache_size()
     np.testing.assert_array_equal(models.generate(dropping, PROMPTS[:, :5], 8, 16), expected)
     np.testing.assert_array_equal(models.generate(dropping, PROMPTS[:, :5], 8, 6), _book(
         book_gpt.generate_text_simple, twin, PROMPTS[:, :5], 8, 6))  # fmt: skip
     assert _dropouts_deterministic(dropping) == [False] * 5
+    # one program for either mode: the same call in eval mode compiles nothing new
+    programs = models.generation._generate._cache_size() - compiled
+    dropping.eval()
+    np.testing.assert_array_equal(models.generate(dropping, PROMPTS[:, :5], 8, 16), expected)
+    assert models.generation._generate._cache_size() - compiled == programs
 
 
 class _Wrapped(nnx.Module):
@@ -471,7 +477,7 @@ def test_generate_hands_jit_a_plain_model_whole_and_splits_any_other_with_nnx(pa
         assert walk(other).tree == (name == "plain"), name
     # the walk finds nnx's variables, each once, past a node held twice or declared opaque
     variables = {id(x) for _, x in nnx.iter_graph(model) if isinstance(x, nnx.Variable)}
-    for other in (model, _GraphOnly(model), _HeldTwice(model)):
+    for other in (model, _GraphOnly(model), _HeldTwice(model), _HeldTwice(_GraphOnly(model))):
         found = walk(other).variables
         assert len(found) == len(variables) and {id(x) for x in found} == variables
 

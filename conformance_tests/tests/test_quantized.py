@@ -81,17 +81,27 @@ def test_each_copy_of_the_kernel_equals_a_float64_product(level):
                     worst[case] = _error(got, want)
     bad = {case: err for case, err in worst.items() if err > 1e-5}
     assert not bad, f"level {level} ({narrow.levels()[level]}): {bad}"
+    # From 2048 rows the whole weight is widened first: the same floats summed in the same
+    # order as a panel a task, so a row's result does not depend on how many rows came with it.
+    x = rng.standard_normal((2053, 300)).astype(np.float32)
+    for dtype, shape in (("float32", (300, 90)), ("int8", (90, 300))):
+        w = jnp.asarray(rng.standard_normal(shape) * 10).astype(dtype)
+        scale = jnp.full((90,), 0.5, jnp.float32) if dtype == "int8" else None
+        nk = dtype == "int8"
+        whole = narrow.matmul(jnp.asarray(x), w, scale, nk=nk, level=level)
+        panels = narrow.matmul(jnp.asarray(x[:2047]), w, scale, nk=nk, level=level)
+        np.testing.assert_array_equal(np.asarray(whole)[:2047], np.asarray(panels), err_msg=dtype)
 
 
 def test_float32_products_of_many_rows_run_on_the_kernel_where_its_avx512_copy_runs():
     """A Linear's float32 product goes to the kernel from ``FLOAT32_ROWS`` rows where the
     kernel's AVX-512 copy runs (it beats XLA's dot there), else to XLA's; either way the
-    values are a float64 product's within float32 rounding, and the gradient is XLA's products
-    of the same operands."""
+    values are a float64 product's within float32 rounding, and so are its gradient and its
+    forward-mode derivative (XLA's products of the same operands)."""
     rng = np.random.default_rng(5)
     w = jnp.asarray(rng.standard_normal((40, 24)), jnp.float32)  # (k, n)
     numbers = (((1,), (0,)), ((), ()))
-    kernel = narrow.available() and narrow.AVX512 in narrow.levels()
+    kernel = narrow.available() and narrow.width() == 16
     for rows in (FLOAT32_ROWS - 1, FLOAT32_ROWS):
         x = jnp.asarray(rng.standard_normal((rows, 40)), jnp.float32)
         calls = str(jax.make_jaxpr(lambda x, w: rows_dot_general(x, w, numbers))(x, w))
@@ -105,6 +115,11 @@ def test_float32_products_of_many_rows_run_on_the_kernel_where_its_avx512_copy_r
         x64, w64, g64 = (np.asarray(a, np.float64) for a in (x, w, g))
         for got, want in zip(grads, (g64 @ w64.T, x64.T @ g64), strict=True):
             assert _error(got, want) < 1e-6
+        dx, dw = g[:, :1] * 0.5 + 1.0, jnp.ones_like(w)  # tangents: (rows, 1) broadcast, (k, n)
+        dx = jnp.broadcast_to(dx, x.shape)
+        _, tangent = jax.jvp(lambda x, w: rows_dot_general(x, w, numbers), (x, w), (dx, dw))
+        want = np.asarray(dx, np.float64) @ w64 + x64 @ np.asarray(dw, np.float64)
+        assert _error(tangent, want) < 1e-6
 
 
 @needs_narrow

@@ -36,11 +36,12 @@ turns a cached step into a recomputed window. The tokens are the ones the unpadd
 gets. ``prompt_bucket=1`` runs each length as it is.
 
 Generation runs in eval mode (dropout off, as the book's ``generate_and_print_sample`` calls
-``model.eval()``) on the jitted program's copy of the model, so the model's own modes never
-change; the decode caches it uses are dropped at the end. The model goes into that program as
-a pytree (``jax.jit`` flattens GPT-2 small in about a millisecond) unless JAX cannot flatten it
-(a module declared ``pytree=False``) or it holds a module twice, which ``nnx.split`` keeps
-shared.
+``model.eval()``): a model in train mode goes in as a copy in eval mode (the same arrays), so
+its own modes never change and either mode runs the same compiled program; the decode caches
+it uses are dropped at the end. The model goes into that program as a pytree (``jax.jit``
+flattens GPT-2 small in about a millisecond) unless JAX cannot flatten it (a module declared
+``pytree=False``) or it holds a module or variable twice (an ``nnx.Rngs`` shared by several
+modules, say), which ``nnx.split`` keeps shared.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ import numpy as np
 from flax import nnx
 
 from flax_attention._checks import check_int, check_real
-from flax_attention._graph import walk
+from flax_attention._graph import EVAL_ATTRIBUTES, walk
 from flax_attention._inputs import check_token_ids, check_zero_one
 from flax_attention.cache import decode_step
 from flax_attention.mesh import place, rows_sharding
@@ -260,10 +261,24 @@ def _run(model, plan: _Plan, ids, mask, draw):
 
 
 def _argument(model):
-    """The model as ``_generate`` takes it: itself where it is a plain pytree (``jit`` flattens
-    GPT-2 small in about 1 ms), else ``nnx.split(model)`` (nnx's graph traversal, 16 ms), which
-    keeps a shared module shared and takes modules declared ``pytree=False``."""
-    return model if walk(model).tree else nnx.split(model)
+    """The model as ``_generate`` takes it, in eval mode: itself where it is a plain pytree
+    (``jit`` flattens GPT-2 small in about 1 ms), else ``nnx.split(model)`` (nnx's graph
+    traversal, 16 ms), which keeps a shared module or variable shared and takes modules declared
+    ``pytree=False``. A model in train mode goes as a copy in eval mode (the same arrays), so the
+    caller's modes stay and either mode runs one compiled program."""
+    found = walk(model)
+    if not found.training:
+        return model if found.tree else nnx.split(model)
+    if not found.tree:
+        model = nnx.merge(*nnx.split(model))
+        model.eval()
+        return nnx.split(model)
+    model = jax.tree.map(lambda x: x, model)  # new modules and variables, the same arrays
+    for module in walk(model).training:  # what model.eval() sets, without nnx's graph walk
+        for name in EVAL_ATTRIBUTES:
+            if hasattr(module, name):
+                setattr(module, name, True)
+    return model
 
 
 def _bucket_length(tokens: int, bucket: int, cached_room: int) -> int:
@@ -373,11 +388,10 @@ def _argmax(logits):
 @functools.partial(jax.jit, static_argnames=("plan",))
 def _generate(model, ids, mask, key, temperature, *, plan: _Plan):
     """``(tokens (b, t + max_new_tokens), length)``: the first ``length`` columns are the
-    result. ``model``: ``_argument``'s. ``plan.cached_steps`` steps through the decode cache,
-    the rest on the cropped window; each step is ``decode_step``, the logits of the last token,
-    in eval mode (the book's ``model.eval()``)."""
+    result. ``model``: ``_argument``'s, in eval mode (the book's ``model.eval()``).
+    ``plan.cached_steps`` steps through the decode cache, the rest on the cropped window; each
+    step is ``decode_step``, the logits of the last token."""
     model = nnx.merge(*model) if isinstance(model, tuple) else model
-    model.eval()  # jit's copy of the model: the caller's keeps its modes
     graphdef, weights, state = nnx.split(model, _WEIGHTS, ...)
     new = plan.max_new_tokens
     # Padded, not written into new arrays, so they keep the rows' sharding on a mesh.

@@ -36,6 +36,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -89,11 +90,12 @@ inline float Scalar<Bf16>(const Bf16* p) {
 template <>
 inline float Scalar<int8_t>(const int8_t* p) { return float(*p); }
 
-#if FLAX_NARROW_VECTORS
 // Products of this many rows or more widen each weight once into a float32 panel that every
 // block of rows multiplies (Packed: narrow_body.h); fewer rows widen it in registers per pass
-// of 8 rows.
+// of 8 rows. (The scalar build's work split reads it too.)
 constexpr int64_t kPackRows = 16;
+
+#if FLAX_NARROW_VECTORS
 
 // One copy's entry: the product over columns [j0, j1) for a weight of element type `type`
 // (0 float, 1 bfloat16, 2 int8).
@@ -121,7 +123,7 @@ constexpr int64_t kPackRows = 16;
     }                                                                                        \
   }                                                                                          \
   constexpr int64_t kPanelCols = PackV(kW<Vec>) * kW<Vec>;                                   \
-  __attribute__((flatten)) void Rows(int64_t i0, int64_t i1, int64_t k, const float* x,       \
+  __attribute__((flatten)) void AcrossPanels(int64_t i0, int64_t i1, int64_t k, const float* x, \
                                      const float* packed, int64_t n, float* y) {              \
     PanelRows<Vec>(i0, i1, k, x, packed, n, y);                                              \
   }                                                                                          \
@@ -225,13 +227,15 @@ using FillFn = void (*)(int, bool, int64_t, int64_t, const void*, const float*, 
                         int64_t);
 using RowsFn = void (*)(int64_t, int64_t, int64_t, const float*, const float*, int64_t, float*);
 
-// From kWholeRows rows, a weight of up to kWholeFloats floats is widened whole into panels
-// first (FillPanels), then each task takes kRowBlock rows of x across every panel (PanelRows):
-// the rows stay in L2 while the panels come from L3, where one task per panel streams all of x
-// (and y) from memory once per panel. GPT-2 small's six layer products in float32 (AVX-512, 2
-// threads): 8192 rows 212 GFLOP/s against 178 one panel a task (XLA's dot: 167), 2048 rows 197
-// against 178; at 512 and 1024 rows one panel a task is as fast or faster (docs/performance.md,
-// "`generate`'s Python, settled rounds, and float32 products of many rows").
+// From kWholeRows rows, a weight whose panels take up to kWholeFloats floats is widened whole
+// into panels first (FillPanels), then each task takes kRowBlock rows of x across every panel
+// (PanelRows): the rows stay in L2 while the panels come from L3, where one task per panel
+// streams all of x (and y) from memory once per panel. GPT-2 small's six layer products
+// (AVX-512, 2 threads, two runs), float32: 8192 rows 212 GFLOP/s against 178 one panel a task,
+// 4096 rows 206 against 189, 2048 rows 211 / 197 against 203 / 178; int8 (a prompt's products,
+// the only ones below 2048 rows here): 4096 rows 213 against 192, but 1024 rows 203 against
+// 214 and 512 rows 186 against 201 (docs/performance.md, "`generate`'s Python, settled rounds,
+// and float32 products of many rows").
 constexpr int64_t kWholeRows = 2048;
 constexpr int64_t kWholeFloats = int64_t(1) << 22;  // 16 MB of panels
 constexpr int64_t kRowBlock = 96;
@@ -307,11 +311,16 @@ ffi::Error Product(ffi::ThreadPool pool, ffi::Buffer<ffi::F32, 2> x, ffi::AnyBuf
   if constexpr (fill != nullptr) {
     const int64_t panel_count = (n + panel_cols - 1) / panel_cols;
     if (m >= kWholeRows && k * panel_count * panel_cols <= kWholeFloats) {
-      // (the calling thread's buffer, kept for its next call: XLA may run two products at once
-      // from two threads, never two on one)
-      thread_local std::vector<float> buffer;
-      buffer.resize(static_cast<size_t>(k * panel_count * panel_cols));
-      float* packed = buffer.data();
+      // The calling thread's buffer, kept for its next call (up to 16 MB per XLA thread that
+      // ever runs such a product) and not zero-filled: XLA may run two products at once from
+      // two threads, never two on one, and ParallelFor's caller runs nothing else meanwhile.
+      thread_local std::unique_ptr<float[]> buffer;
+      thread_local int64_t capacity = 0;
+      if (capacity < k * panel_count * panel_cols) {
+        capacity = k * panel_count * panel_cols;
+        buffer.reset(new float[static_cast<size_t>(capacity)]);
+      }
+      float* packed = buffer.get();
       ParallelFor(pool, panel_count,
                   [&](int64_t q) { fill(type, nk, k, n, wp, s, packed, q, q + 1); });
       ParallelFor(pool, (m + kRowBlock - 1) / kRowBlock, [&](int64_t b) {
@@ -360,7 +369,7 @@ extern "C" int FlaxNarrowWidth(int level) {
 
 #if FLAX_NARROW_VECTORS
 #define FLAX_NARROW_FILL(fn) fn::Fill
-#define FLAX_NARROW_ROWS(fn) fn::Rows
+#define FLAX_NARROW_ROWS(fn) fn::AcrossPanels
 #define FLAX_NARROW_PANEL(fn) fn::kPanelCols
 #else
 #define FLAX_NARROW_FILL(fn) nullptr

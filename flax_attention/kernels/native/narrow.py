@@ -30,10 +30,7 @@ import jax.numpy as jnp
 
 from flax_attention.kernels import native
 
-__all__ = ["AVX512", "WEIGHT_DTYPES", "available", "levels", "matmul", "why_unavailable"]
-
-#: The level of the AVX-512 copy in ``levels()``.
-AVX512 = 2
+__all__ = ["WEIGHT_DTYPES", "available", "levels", "matmul", "why_unavailable"]
 
 #: The weight dtypes the products take.
 WEIGHT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.int8)
