@@ -506,6 +506,19 @@ _KERNELS: dict[str, _Kernel] = {
 }
 
 
+def _one_query_scores(queries, keys, kv_heads: int, precision):
+    """One query's scores against a heads-first cache: ``(..., 1, h, d)`` and ``(..., h_kv, s,
+    d)`` -> ``(..., h, 1, s)``, as ``keys @ query`` (the cache the product's left operand, rows
+    of ``d`` as they lie) then turned round, one row per head. As ``query @ keys.T`` XLA's CPU
+    compiler laid the keys out ``(d, s)`` for its dot, so each decode step copied every layer's
+    whole key cache transposed after writing it (``docs/performance.md``, "The decode step's
+    key cache, read where it lies")."""
+    *lead, _, heads, d_key = queries.shape
+    q = queries.reshape(*lead, kv_heads, heads // kv_heads, d_key)  # (..., h_kv, g, d)
+    scores = jnp.einsum("...hsd,...hgd->...hgs", keys, q, precision=precision)
+    return scores.reshape(*lead, heads, 1, keys.shape[-2])  # (..., h, 1, s)
+
+
 def _reference(queries, keys, values, attention_mask, dropout, precision, kv_layout="shd"):
     """The documents' math, weights materialised. Keys and values heads first
     (``kv_layout="hsd"``) enter the two matmuls as they are. Grouped heads (keys and values with
@@ -514,7 +527,9 @@ def _reference(queries, keys, values, attention_mask, dropout, precision, kv_lay
     d_key, heads = queries.shape[-1], queries.shape[-2]
     kv = "...shd" if kv_layout == "shd" else "...hsd"
     kv_heads = keys.shape[-2] if kv_layout == "shd" else keys.shape[-3]
-    if kv_heads == heads:
+    if kv_layout == "hsd" and queries.shape[-3] == 1:  # a decode step against its cache
+        attn_scores = _one_query_scores(queries, keys, kv_heads, precision)  # (..., h, 1, s)
+    elif kv_heads == heads:
         attn_scores = jnp.einsum(
             f"...thd,{kv}->...hts", queries, keys, precision=precision
         )  # (..., h, t, s)

@@ -482,6 +482,33 @@ def test_generate_hands_jit_a_plain_model_whole_and_splits_any_other_with_nnx(pa
         assert len(found) == len(variables) and {id(x) for x in found} == variables
 
 
+def test_a_decode_step_reads_its_key_cache_where_it_lies(pair):
+    """``generate``'s decode loop holds no key cache laid out ``(d, s)``: a decode step's
+    scores are ``keys @ query``, so XLA's CPU compiler has no reason to copy the whole cache
+    transposed at every step, as it did for ``query @ keys.T`` (docs/performance.md, "The
+    decode step's key cache, read where it lies")."""
+    from flax_attention.models import generation
+
+    _, model = pair
+    ids = np.asarray(PROMPTS[:1, :5], np.int32)  # one row: a batch of 2 compiled otherwise
+    plan = generation._Plan(6, 16, True, None, None, cached_steps=6)
+    heads, head_dim = CFG["n_heads"], CFG["emb_dim"] // CFG["n_heads"]
+    slots = ids.shape[1] + plan.cached_steps - 1
+    model.init_cache(1, slots)
+    try:
+        program = generation._generate.lower(
+            generation._argument(model), ids, None, jax.random.key(0), np.float32(1), plan=plan
+        ).compile().as_text()  # fmt: skip
+    finally:
+        model.clear_cache()
+    cache = f"f32[1,{heads},{slots},{head_dim}]"  # as it lies: (b, h, s, d)
+    turned = f"f32[1,{heads},{head_dim},{slots}]"
+    assert cache in program, "the test's cache shape is not the program's"
+    # (the prompt's step, before the loop, may lay its keys out so: once a call, not a step)
+    in_loop = [line for line in program.splitlines() if turned in line and "while/body" in line]
+    assert not in_loop, in_loop[:3]
+
+
 def test_a_tiny_temperature_is_greedy_and_a_huge_one_draws_anew_each_step(pair):
     """``logits / temperature``: at 1e-4 sampling is argmax (a multiplied temperature would draw
     nearly uniformly); at 1e6 nearly uniform, and each step its own key (one key for every
