@@ -337,11 +337,37 @@ inline void FillTransposed(const T* w, int64_t ldw, const float* scale, int64_t 
     }
 }
 
+// Rows [i0, i1) of y (columns [0, cols) from y, n apart) over one panel block p (kl x NB
+// floats: kl weight rows from x's column 0, x's rows k apart), added to y's values unless
+// `first`: blocks of kPackR rows, then the rest in one narrower block. KnTiles: a full panel
+// is one KnBlock; a narrower one takes narrower tiles.
+template <typename Vec>
+inline void PanelBlock(int64_t i0, int64_t i1, int64_t k, int64_t kl, const float* x,
+                       const float* p, int64_t cols, float* y, int64_t n, bool first) {
+  constexpr int W = kW<Vec>, V = PackV(W), NB = V * W;
+  int64_t i = i0;
+  for (; i + kPackR <= i1; i += kPackR)
+    KnTiles<Vec, float, kPackR, V>(kl, x + i * k, k, p, NB, nullptr, y + i * n, n, 0, cols, first);
+  switch (i1 - i) {
+#define FLAX_NARROW_PACKED(R)                                                                \
+  case R:                                                                                    \
+    KnTiles<Vec, float, R, V>(kl, x + i * k, k, p, NB, nullptr, y + i * n, n, 0, cols, first); \
+    break;
+    FLAX_NARROW_PACKED(1)
+    FLAX_NARROW_PACKED(2)
+    FLAX_NARROW_PACKED(3)
+    FLAX_NARROW_PACKED(4)
+    FLAX_NARROW_PACKED(5)
+#undef FLAX_NARROW_PACKED
+    default: break;
+  }
+}
+
 // Nk: w is (n, k), its panels filled transposed; else (k, n).
 template <typename Vec, typename T, bool Nk>
 void Packed(int64_t m, int64_t k, const float* x, const T* w, int64_t n, const float* scale,
             float* y, int64_t j0, int64_t j1) {
-  constexpr int W = kW<Vec>, V = PackV(W), NB = V * W;
+  constexpr int W = kW<Vec>, NB = PackV(W) * W;
   std::vector<float> panel(static_cast<size_t>(kPackK * NB));
   float* p = panel.data();
   for (int64_t j = j0; j < j1; j += NB) {
@@ -354,26 +380,7 @@ void Packed(int64_t m, int64_t k, const float* x, const T* w, int64_t n, const f
         for (int64_t kk = 0; kk < kl; ++kk)  // w[kb:kb+kl, j:j+cols] -> p (kl x NB, cols used)
           WidenRun<Vec, T>(w + (kb + kk) * n + j, cols, scale ? scale + j : nullptr, p + kk * NB);
       }
-      const bool first = kb == 0;
-      int64_t i = 0;
-      // KnTiles: a full panel is one KnBlock; the last, narrower one takes narrower tiles
-      for (; i + kPackR <= m; i += kPackR)
-        KnTiles<Vec, float, kPackR, V>(kl, x + i * k + kb, k, p, NB, nullptr, y + i * n + j, n, 0,
-                                       cols, first);
-      switch (m - i) {
-#define FLAX_NARROW_PACKED(R)                                                                  \
-  case R:                                                                                      \
-    KnTiles<Vec, float, R, V>(kl, x + i * k + kb, k, p, NB, nullptr, y + i * n + j, n, 0, cols, \
-                              first);                                                          \
-    break;
-        FLAX_NARROW_PACKED(1)
-        FLAX_NARROW_PACKED(2)
-        FLAX_NARROW_PACKED(3)
-        FLAX_NARROW_PACKED(4)
-        FLAX_NARROW_PACKED(5)
-#undef FLAX_NARROW_PACKED
-        default: break;
-      }
+      PanelBlock<Vec>(0, m, k, kl, x + kb, p, cols, y + j, n, kb == 0);
     }
   }
 }
@@ -401,32 +408,13 @@ void FillPanels(int64_t k, const T* w, int64_t n, const float* scale, float* pac
 template <typename Vec>
 void PanelRows(int64_t i0, int64_t i1, int64_t k, const float* x, const float* packed, int64_t n,
                float* y) {
-  constexpr int W = kW<Vec>, V = PackV(W), NB = V * W;
+  constexpr int W = kW<Vec>, NB = PackV(W) * W;
   for (int64_t j = 0; j < n; j += NB) {
     const int64_t cols = std::min<int64_t>(NB, n - j);
     const float* panel = packed + j * k;  // (j / NB) * k * NB
     for (int64_t kb = 0; kb < k; kb += kPackK) {
       const int64_t kl = std::min(kPackK, k - kb);
-      const float* p = panel + kb * NB;
-      const bool first = kb == 0;
-      int64_t i = i0;
-      for (; i + kPackR <= i1; i += kPackR)
-        KnTiles<Vec, float, kPackR, V>(kl, x + i * k + kb, k, p, NB, nullptr, y + i * n + j, n, 0,
-                                       cols, first);
-      switch (i1 - i) {
-#define FLAX_NARROW_PACKED(R)                                                                  \
-  case R:                                                                                      \
-    KnTiles<Vec, float, R, V>(kl, x + i * k + kb, k, p, NB, nullptr, y + i * n + j, n, 0, cols, \
-                              first);                                                          \
-    break;
-        FLAX_NARROW_PACKED(1)
-        FLAX_NARROW_PACKED(2)
-        FLAX_NARROW_PACKED(3)
-        FLAX_NARROW_PACKED(4)
-        FLAX_NARROW_PACKED(5)
-#undef FLAX_NARROW_PACKED
-        default: break;
-      }
+      PanelBlock<Vec>(i0, i1, k, kl, x + kb, panel + kb * NB, cols, y + j, n, kb == 0);
     }
   }
 }
