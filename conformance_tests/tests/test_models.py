@@ -374,6 +374,10 @@ def test_generate_runs_a_train_mode_model_in_eval_mode_and_leaves_it_in_train_mo
     np.testing.assert_array_equal(models.generate(dropping, PROMPTS[:, :5], 8, 6), _book(
         book_gpt.generate_text_simple, twin, PROMPTS[:, :5], 8, 6))  # fmt: skip
     assert _dropouts_deterministic(dropping) == [False] * 5
+    # a model jit cannot take whole (nnx.split's path) also runs as an eval-mode copy
+    np.testing.assert_array_equal(models.generate(_GraphOnly(dropping), PROMPTS[:, :5], 8, 16),
+                                  expected)  # fmt: skip
+    assert _dropouts_deterministic(dropping) == [False] * 5
     # one program for either mode: the same call in eval mode compiles nothing new
     programs = models.generation._generate._cache_size() - compiled
     dropping.eval()

@@ -267,18 +267,13 @@ def _argument(model):
     ``pytree=False``. A model in train mode goes as a copy in eval mode (the same arrays), so the
     caller's modes stay and either mode runs one compiled program."""
     found = walk(model)
-    if not found.training:
-        return model if found.tree else nnx.split(model)
-    if not found.tree:
-        model = nnx.merge(*nnx.split(model))
-        model.eval()
-        return nnx.split(model)
-    model = jax.tree.map(lambda x: x, model)  # new modules and variables, the same arrays
-    for module in walk(model).training:  # what model.eval() sets, without nnx's graph walk
-        for name in EVAL_ATTRIBUTES:
-            if hasattr(module, name):
-                setattr(module, name, True)
-    return model
+    if found.training:  # new modules and variables, the same arrays; nnx's copy keeps sharing
+        model = jax.tree.map(lambda x: x, model) if found.tree else nnx.merge(*nnx.split(model))
+        for module in walk(model).training:  # what model.eval() sets, found by the walk
+            for name in EVAL_ATTRIBUTES:
+                if hasattr(module, name):
+                    setattr(module, name, True)
+    return model if found.tree else nnx.split(model)
 
 
 def _bucket_length(tokens: int, bucket: int, cached_room: int) -> int:
