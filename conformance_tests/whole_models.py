@@ -234,8 +234,9 @@ class _GPT(_Runner):
         return reference, actual
 
     def _inputs(self) -> dict[str, np.ndarray]:
-        """The inference rows' inputs: the first batch (prefill-sized: 32 rows, XLA's products
-        in bfloat16, the narrow-weight kernel's float32 panels with int8) and its first 2 ids
+        """The inference rows' inputs: the first batch (prefill-sized: 32 rows, the
+        narrow-weight kernel's float32 panels with int8, and with bfloat16 where the CPU has no
+        bfloat16 pair products, else XLA's bfloat16 products) and its first 2 ids
         (decode-sized: 4 rows, the kernel's register path in both; ``_layers.NARROW_ROWS``)."""
         x = self.batches[0][0]
         return {"logits (2x16)": x, "logits (2x2)": x[:, :2]}

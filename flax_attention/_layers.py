@@ -46,7 +46,10 @@ __all__ = [
 #: first). int8 is the kernel's at every size: XLA has no int8-weight product and converts the
 #: whole matrix to float32 in memory first (2.4-3.9x float32's time at 32 rows, 1.2-1.3x at
 #: 512), where the kernel takes 0.4-1.1x (from 16 rows it widens each block of weights once
-#: into a float32 panel that every block of rows multiplies).
+#: into a float32 panel that every block of rows multiplies). On a CPU without bfloat16 pair
+#: products (AVX2: ``narrow.slow_bfloat16_dot``) bfloat16 is the kernel's at every size too: XLA's
+#: bfloat16 product there ran at 0.7 of float32's rate at 512 rows, the kernel's at 0.85-1.0
+#: (docs/performance.md, "bfloat16 and int8 on an AVX2 CPU").
 NARROW_ROWS = {jnp.dtype(jnp.bfloat16): 4, jnp.dtype(jnp.int8): None}
 
 #: The fewest rows of a float32 product that go to the kernel, with a weight of at most
@@ -64,7 +67,8 @@ FLOAT32_WEIGHT = 1 << 22  # 16 MB; a weight whose padded panels pass it takes a 
 
 def narrow_product_ok(rows: int, weight) -> bool:
     """Whether a product of ``rows`` rows with ``weight`` runs on the narrow-weight kernel: a
-    bfloat16 weight at up to ``NARROW_ROWS[bfloat16]`` rows, an int8 weight at any number, a
+    bfloat16 weight at up to ``NARROW_ROWS[bfloat16]`` rows (at any number where the CPU has no
+    bfloat16 pair products), an int8 weight at any number, a
     float32 one of at most ``FLOAT32_WEIGHT`` floats from ``FLOAT32_ROWS`` rows where the
     kernel runs 16-float (AVX-512) vectors; on the CPU with the kernel built, outside any mesh
     (a custom call would gather a sharded weight onto every device)."""
@@ -76,13 +80,18 @@ def narrow_product_ok(rows: int, weight) -> bool:
             return False
     elif dtype not in NARROW_ROWS:
         return False
-    elif NARROW_ROWS[dtype] is not None and rows > NARROW_ROWS[dtype]:
-        return False
     if jax.default_backend() != "cpu" or not jax.sharding.get_abstract_mesh().empty:
         return False
     from flax_attention.kernels.native import narrow
 
-    return narrow.available() and (dtype != jnp.float32 or narrow.width() == 16)
+    if not narrow.available():
+        return False
+    if dtype == jnp.float32:
+        return narrow.width() == 16
+    limit = NARROW_ROWS[dtype]
+    if dtype == jnp.bfloat16 and narrow.slow_bfloat16_dot():
+        limit = None  # XLA's bfloat16 product widens its operands here: slower at any rows
+    return limit is None or rows <= limit
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2,))

@@ -122,6 +122,43 @@ def test_float32_products_of_many_rows_run_on_the_kernel_where_its_avx512_copy_r
         assert _error(tangent, want) < 1e-6
 
 
+@pytest.mark.quick
+@needs_narrow
+def test_bfloat16_products_run_on_the_kernel_at_any_rows_where_the_cpu_has_no_bfloat16_pairs(
+    monkeypatch,
+):
+    """Where XLA multiplies bfloat16 pairs (AVX512_BF16, AMX-BF16), a bfloat16 product goes to
+    the kernel up to ``NARROW_ROWS`` rows and to XLA's from there; on a CPU without them (AVX2)
+    XLA's widens its operands and the kernel takes every row count. Either way the result is
+    the float32 sum of the bfloat16 products, rounded once. The CPU's own answer matches its
+    flags where Linux lists them."""
+    flags = set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((set(line.split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        pass
+    if "avx2" in flags:  # an x86-64 CPU the library's build (GCC 12 and up) can ask
+        assert narrow.slow_bfloat16_dot() == (not flags & {"avx512_bf16", "amx_bf16"})
+    rng = np.random.default_rng(6)
+    w = jnp.asarray(rng.standard_normal((40, 24)), jnp.bfloat16)  # (k, n)
+    numbers = (((1,), (0,)), ((), ()))
+    few = NARROW_ROWS[jnp.dtype(jnp.bfloat16)]
+    for slow in (False, True):
+        monkeypatch.setattr(narrow, "slow_bfloat16_dot", lambda slow=slow: slow)
+        for rows in (few, few + 1, 40):
+            x = jnp.asarray(rng.standard_normal((rows, 40)), jnp.bfloat16)
+            calls = str(jax.make_jaxpr(lambda x, w: rows_dot_general(x, w, numbers))(x, w))
+            assert ("ffi_call" in calls) == (slow or rows <= few), (slow, rows)
+            got = rows_dot_general(x, w, numbers)
+            want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+            assert got.dtype == jnp.bfloat16
+            # rounded once to bfloat16: within half a bfloat16 step (2^-9 relative) of the sum,
+            # a step where the float32 sum fell on the other side of a rounding boundary
+            error = np.abs(np.asarray(got, np.float64) - want)
+            assert (error <= 2**-8 * np.abs(want) + 1e-6).all(), (slow, rows, error.max())
+
+
 @needs_narrow
 def test_an_empty_product_is_zeros_of_its_shape_in_each_copy():
     """No rows, no columns or no contracted features: XLA's product gives zeros of ``(m, n)``,
@@ -156,7 +193,8 @@ def _torch_logits(model, ids, dtype=torch.float32):
 
 
 IDS = np.random.default_rng(1).integers(0, CFG["vocab_size"], (2, 2))  # 4 rows: the kernel's
-# 40 rows: XLA's for bfloat16, the kernel's float32 panels for int8
+# 40 rows: the kernel's float32 panels for int8, and for bfloat16 where the CPU has no bfloat16
+# pair products (else XLA's)
 IDS_LONG = np.random.default_rng(2).integers(0, CFG["vocab_size"], (2, 20))
 
 

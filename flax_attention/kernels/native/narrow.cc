@@ -352,6 +352,20 @@ extern "C" int FlaxNarrowLevels() {
 #endif
 }
 
+// 1 on an x86-64 CPU without an instruction that multiplies bfloat16 pairs into float32 sums
+// (AVX512_BF16's vdpbf16ps, AMX-BF16), where XLA's CPU product of bfloat16 operands runs at a
+// fraction of float32's rate and the kernel's widened panels beat it at any number of rows
+// (docs/performance.md, "bfloat16 and int8 on an AVX2 CPU"); 0 where the CPU has one, or
+// where this build cannot tell (not x86-64, not GCC 12+).
+extern "C" int FlaxNarrowSlowBf16Dot() {
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
+  __builtin_cpu_init();
+  return !(__builtin_cpu_supports("avx512bf16") || __builtin_cpu_supports("amx-bf16"));
+#else
+  return 0;
+#endif
+}
+
 // The floats per vector of the copy with bit `level` (0, 1, 2) of FlaxNarrowLevels.
 extern "C" int FlaxNarrowWidth(int level) {
 #if FLAX_NARROW_COPIES

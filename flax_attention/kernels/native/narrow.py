@@ -30,7 +30,14 @@ import jax.numpy as jnp
 
 from flax_attention.kernels import native
 
-__all__ = ["WEIGHT_DTYPES", "available", "levels", "matmul", "why_unavailable"]
+__all__ = [
+    "WEIGHT_DTYPES",
+    "available",
+    "levels",
+    "matmul",
+    "slow_bfloat16_dot",
+    "why_unavailable",
+]
 
 #: The weight dtypes the products take.
 WEIGHT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.int8)
@@ -86,6 +93,18 @@ def levels() -> dict[int, str]:
     """The copies this CPU runs, level -> what it is compiled for (``{}`` where unavailable);
     ``matmul`` uses the highest."""
     return {level: _NAMES[level] for level in _register()[1]}
+
+
+@functools.cache
+def slow_bfloat16_dot() -> bool:
+    """Whether XLA's product of bfloat16 operands is slow on this CPU: an x86-64 one without
+    bfloat16 pair products (AVX512_BF16, AMX-BF16), where XLA widens the operands and the
+    kernel's panels run faster at any number of rows; ``False`` where the library cannot tell
+    or is unavailable."""
+    if _register()[0] is not None:
+        return False
+    library = native._LIBRARY[0]
+    return bool(getattr(library, "FlaxNarrowSlowBf16Dot", lambda: 0)())
 
 
 def width(level: int | None = None) -> int:
