@@ -53,14 +53,14 @@ __all__ = [
 NARROW_ROWS = {jnp.dtype(jnp.bfloat16): 4, jnp.dtype(jnp.int8): None}
 
 #: The fewest rows of a float32 product that go to the kernel, with a weight of at most
-#: ``FLOAT32_WEIGHT`` floats, where its AVX-512 copy runs (16-float vectors). From 2048 rows the
-#: kernel widens the whole weight into panels and each task takes a block of rows across all of
-#: them: GPT-2 small's six layer products ran at 212 GFLOP/s on it at 8192 rows against XLA's
-#: dot (YNNPACK's) 167, at 2048 rows 197-211 against 168-201; below, XLA's is as fast or faster
-#: (docs/performance.md, "`generate`'s Python, settled rounds, and float32 products of many
-#: rows"). On the AVX2 stand-in the AVX2 copy won at 8192 rows (176 against 157) but lost at
-#: 2048 (187 against 205) to XLA's dot, which ran AVX-512 code there (YNNPACK ignores
-#: --xla_cpu_max_isa): not measured against AVX2 code, so with AVX2 XLA's stays.
+#: ``FLOAT32_WEIGHT`` floats, where its copy runs the CPU's widest vectors (AVX-512 or AVX2: a
+#: narrower copy loses to XLA's own code). From 2048 rows the kernel widens the whole weight
+#: into panels and each task takes a block of rows across all of them: GPT-2 small's six layer
+#: products ran at 212 GFLOP/s on it at 8192 rows against XLA's dot (YNNPACK's) 167, at 2048
+#: rows 197-211 against 168-201 (AVX-512); on an AVX2 CPU (Zen 3) the attention layer's
+#: 768x768 product at 137-147 against 112-120, the MLP's as fast as XLA's or faster; below,
+#: XLA's is as fast or faster (docs/performance.md, "`generate`'s Python, settled rounds, and
+#: float32 products of many rows" and "bfloat16 and int8 on an AVX2 CPU").
 FLOAT32_ROWS = 2048
 FLOAT32_WEIGHT = 1 << 22  # 16 MB; a weight whose padded panels pass it takes a panel a task
 
@@ -68,10 +68,10 @@ FLOAT32_WEIGHT = 1 << 22  # 16 MB; a weight whose padded panels pass it takes a 
 def narrow_product_ok(rows: int, weight) -> bool:
     """Whether a product of ``rows`` rows with ``weight`` runs on the narrow-weight kernel: a
     bfloat16 weight at up to ``NARROW_ROWS[bfloat16]`` rows (at any number where the CPU has no
-    bfloat16 pair products), an int8 weight at any number, a
-    float32 one of at most ``FLOAT32_WEIGHT`` floats from ``FLOAT32_ROWS`` rows where the
-    kernel runs 16-float (AVX-512) vectors; on the CPU with the kernel built, outside any mesh
-    (a custom call would gather a sharded weight onto every device)."""
+    bfloat16 pair products), an int8 weight at any number, a float32 one of at most
+    ``FLOAT32_WEIGHT`` floats from ``FLOAT32_ROWS`` rows where the kernel runs the CPU's widest
+    vectors (AVX-512 or AVX2); on the CPU with the kernel built, outside any mesh (a custom call
+    would gather a sharded weight onto every device)."""
     dtype = jnp.dtype(weight.dtype)
     if weight.ndim != 2 or rows < 1:
         return False
@@ -86,8 +86,8 @@ def narrow_product_ok(rows: int, weight) -> bool:
 
     if not narrow.available():
         return False
-    if dtype == jnp.float32:
-        return narrow.width() == 16
+    if dtype == jnp.float32:  # AVX-512 or AVX2, the vectors XLA's own code runs here
+        return narrow.width() >= 8 and narrow.width() == narrow.cpu_width()
     limit = NARROW_ROWS[dtype]
     if dtype == jnp.bfloat16 and narrow.slow_bfloat16_dot():
         limit = None  # XLA's bfloat16 product widens its operands here: slower at any rows

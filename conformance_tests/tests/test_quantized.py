@@ -93,15 +93,22 @@ def test_each_copy_of_the_kernel_equals_a_float64_product(level):
         np.testing.assert_array_equal(np.asarray(whole)[:2047], np.asarray(panels), err_msg=dtype)
 
 
-def test_float32_products_of_many_rows_run_on_the_kernel_where_its_avx512_copy_runs():
+@pytest.mark.parametrize("full_width", [True, False], ids=["widest-copy", "narrower-copy"])
+def test_float32_products_of_many_rows_run_on_the_kernel_where_its_copy_runs_the_widest_vectors(
+    monkeypatch, full_width
+):
     """A Linear's float32 product goes to the kernel from ``FLOAT32_ROWS`` rows where the
-    kernel's AVX-512 copy runs (it beats XLA's dot there), else to XLA's; either way the
-    values are a float64 product's within float32 rounding, and so are its gradient and its
-    forward-mode derivative (XLA's products of the same operands)."""
+    kernel's copy runs the CPU's widest vectors (AVX-512 or AVX2; it beats XLA's dot there),
+    else to XLA's (a one-arch AVX2 build on an AVX-512 CPU: the CPU's width faked here); either
+    way the values are a float64 product's within float32 rounding, and so are its gradient and
+    its forward-mode derivative (XLA's products of the same operands)."""
     rng = np.random.default_rng(5)
     w = jnp.asarray(rng.standard_normal((40, 24)), jnp.float32)  # (k, n)
     numbers = (((1,), (0,)), ((), ()))
-    kernel = narrow.available() and narrow.width() == 16
+    kernel = narrow.available() and narrow.width() >= 8 and full_width
+    if narrow.available():
+        cpu = narrow.width() if full_width else 2 * narrow.width()
+        monkeypatch.setattr(narrow, "cpu_width", lambda: cpu)
     for rows in (FLOAT32_ROWS - 1, FLOAT32_ROWS):
         x = jnp.asarray(rng.standard_normal((rows, 40)), jnp.float32)
         calls = str(jax.make_jaxpr(lambda x, w: rows_dot_general(x, w, numbers))(x, w))
@@ -124,22 +131,35 @@ def test_float32_products_of_many_rows_run_on_the_kernel_where_its_avx512_copy_r
 
 @pytest.mark.quick
 @needs_narrow
+def test_the_library_reads_the_cpu_as_linux_lists_its_flags():
+    """``cpu_width`` and ``slow_bfloat16_dot``, which route the products, against
+    ``/proc/cpuinfo`` on an x86-64 Linux CPU; elsewhere (nothing to compare with) they say they
+    cannot tell."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((set(line.split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        flags = set()
+    if "sse2" not in flags:  # not x86-64, or no /proc/cpuinfo: only the answers' kinds
+        assert narrow.cpu_width() in (0, 4, 8, 16)
+        assert narrow.width() <= narrow.cpu_width() or narrow.cpu_width() == 0
+        return
+    v4 = {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"} <= flags
+    v3 = {"avx2", "fma", "bmi2", "movbe"} <= flags
+    assert narrow.cpu_width() == (16 if v4 and v3 else 8 if v3 else 4)
+    assert narrow.slow_bfloat16_dot() == (not flags & {"avx512_bf16", "amx_bf16"})
+    assert narrow.width() <= narrow.cpu_width()
+
+
+@pytest.mark.quick
+@needs_narrow
 def test_bfloat16_products_run_on_the_kernel_at_any_rows_where_the_cpu_has_no_bfloat16_pairs(
     monkeypatch,
 ):
     """Where XLA multiplies bfloat16 pairs (AVX512_BF16, AMX-BF16), a bfloat16 product goes to
     the kernel up to ``NARROW_ROWS`` rows and to XLA's from there; on a CPU without them (AVX2)
     XLA's widens its operands and the kernel takes every row count. Either way the result is
-    the float32 sum of the bfloat16 products, rounded once. The CPU's own answer matches its
-    flags where Linux lists them."""
-    flags = set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((set(line.split()) for line in f if line.startswith("flags")), set())
-    except OSError:
-        pass
-    if "avx2" in flags:  # an x86-64 CPU the library's build (GCC 12 and up) can ask
-        assert narrow.slow_bfloat16_dot() == (not flags & {"avx512_bf16", "amx_bf16"})
+    the float32 sum of the bfloat16 products, rounded once."""
     rng = np.random.default_rng(6)
     w = jnp.asarray(rng.standard_normal((40, 24)), jnp.bfloat16)  # (k, n)
     numbers = (((1,), (0,)), ((), ()))

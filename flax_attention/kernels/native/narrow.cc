@@ -366,6 +366,20 @@ extern "C" int FlaxNarrowSlowBf16Dot() {
 #endif
 }
 
+// The floats per vector of the widest vectors this CPU runs (16: AVX-512, 8: AVX2 with FMA, 4:
+// SSE2), whatever copies the library holds: a one-arch AVX2 build on an AVX-512 CPU runs
+// narrower vectors than XLA's own code there. 0 where this build cannot tell (not x86-64, not
+// GCC 12+).
+extern "C" int FlaxNarrowCpuWidth() {
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("x86-64-v4")) return 16;
+  return __builtin_cpu_supports("x86-64-v3") ? 8 : 4;
+#else
+  return 0;
+#endif
+}
+
 // The floats per vector of the copy with bit `level` (0, 1, 2) of FlaxNarrowLevels.
 extern "C" int FlaxNarrowWidth(int level) {
 #if FLAX_NARROW_COPIES

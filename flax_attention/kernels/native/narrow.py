@@ -33,6 +33,7 @@ from flax_attention.kernels import native
 __all__ = [
     "WEIGHT_DTYPES",
     "available",
+    "cpu_width",
     "levels",
     "matmul",
     "slow_bfloat16_dot",
@@ -105,6 +106,16 @@ def slow_bfloat16_dot() -> bool:
         return False
     library = native._LIBRARY[0]
     return bool(getattr(library, "FlaxNarrowSlowBf16Dot", lambda: 0)())
+
+
+@functools.cache
+def cpu_width() -> int:
+    """Floats per vector of the widest vectors this CPU runs (16: AVX-512, 8: AVX2 and FMA, 4:
+    SSE2), whatever copies the library holds; 0 where the library cannot tell (not x86-64) or
+    is unavailable. ``width() == cpu_width()``: the kernel runs the vectors XLA's code does."""
+    if _register()[0] is not None:
+        return 0
+    return int(getattr(native._LIBRARY[0], "FlaxNarrowCpuWidth", lambda: 0)())
 
 
 def width(level: int | None = None) -> int:

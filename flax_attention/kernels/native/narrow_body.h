@@ -8,6 +8,9 @@
 
 template <typename Vec>
 constexpr int kW = sizeof(Vec) / sizeof(float);
+// The vector registers of the level: 32 with AVX-512, else 16.
+template <typename Vec>
+constexpr int kVectorRegisters = kW<Vec> == 16 ? 32 : 16;
 
 // W elements of T -> W floats. Loads are unaligned (memcpy); vectors go by reference.
 template <typename Vec, typename T>
@@ -465,12 +468,27 @@ inline void NkBlock(int64_t k, const float* x, int64_t ldx, const T* e, int64_t 
   for (; kk + W <= k; kk += W) {
     for (int l = 0; l < lines; ++l)
       __builtin_prefetch(reinterpret_cast<const void*>(ahead + kk * J * sizeof(T) + 64 * l));
-    Vec ev[J];
-    for (int j = 0; j < J; ++j) Widen<Vec, T>::Load(ev[j], e + j * lde + kk);
-    for (int r = 0; r < R; ++r) {
-      Vec xv;
-      LoadF(xv, x + r * ldx + kk);
-      for (int j = 0; j < J; ++j) acc[r][j] += xv * ev[j];
+    // Per step, the order that fits the vector registers beside the R x J accumulators: the J
+    // widened weights then a row at a time (J + 1 more), or, where those do not fit (one row
+    // of 8 embedding rows with 16 registers: AVX2), the R rows then a weight at a time (R + 1
+    // more): GCC otherwise spills the widened weights to the stack at every step. The sums are
+    // the same.
+    if constexpr (R * J + J + 1 <= kVectorRegisters<Vec>) {
+      Vec ev[J];
+      for (int j = 0; j < J; ++j) Widen<Vec, T>::Load(ev[j], e + j * lde + kk);
+      for (int r = 0; r < R; ++r) {
+        Vec xv;
+        LoadF(xv, x + r * ldx + kk);
+        for (int j = 0; j < J; ++j) acc[r][j] += xv * ev[j];
+      }
+    } else {
+      Vec xv[R];
+      for (int r = 0; r < R; ++r) LoadF(xv[r], x + r * ldx + kk);
+      for (int j = 0; j < J; ++j) {
+        Vec ev;
+        Widen<Vec, T>::Load(ev, e + j * lde + kk);
+        for (int r = 0; r < R; ++r) acc[r][j] += xv[r] * ev;
+      }
     }
   }
   for (int r = 0; r < R; ++r)
