@@ -48,7 +48,7 @@ __all__ = [
 #: 512), where the kernel takes 0.4-1.1x (from 16 rows it widens each block of weights once
 #: into a float32 panel that every block of rows multiplies). On a CPU without bfloat16 pair
 #: products (AVX2: ``narrow.slow_bfloat16_dot``) bfloat16 is the kernel's at every size too: XLA's
-#: bfloat16 product there ran at 0.7 of float32's rate at 512 rows, the kernel's at 0.85-1.0
+#: bfloat16 product there ran at 0.7 of float32's rate at 512 rows, the kernel's at 0.8-1.0
 #: (docs/performance.md, "bfloat16 and int8 on an AVX2 CPU").
 NARROW_ROWS = {jnp.dtype(jnp.bfloat16): 4, jnp.dtype(jnp.int8): None}
 
@@ -90,7 +90,7 @@ def narrow_product_ok(rows: int, weight) -> bool:
         return narrow.width() >= 8 and narrow.width() == narrow.cpu_width()
     limit = NARROW_ROWS[dtype]
     if dtype == jnp.bfloat16 and narrow.slow_bfloat16_dot():
-        limit = None  # XLA's bfloat16 product widens its operands here: slower at any rows
+        limit = None  # XLA's bfloat16 product is the slower one here at any rows
     return limit is None or rows <= limit
 
 

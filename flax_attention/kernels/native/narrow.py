@@ -99,9 +99,9 @@ def levels() -> dict[int, str]:
 @functools.cache
 def slow_bfloat16_dot() -> bool:
     """Whether XLA's product of bfloat16 operands is slow on this CPU: an x86-64 one without
-    bfloat16 pair products (AVX512_BF16, AMX-BF16), where XLA widens the operands and the
-    kernel's panels run faster at any number of rows; ``False`` where the library cannot tell
-    or is unavailable."""
+    bfloat16 pair products (AVX512_BF16, AMX-BF16), where it runs at about 0.7 of float32's
+    rate and the kernel's panels run faster at any number of rows; ``False`` where the library
+    cannot tell or is unavailable."""
     if _register()[0] is not None:
         return False
     library = native._LIBRARY[0]
