@@ -133,8 +133,8 @@ def test_float32_products_of_many_rows_run_on_the_kernel_where_its_copy_runs_the
 @needs_narrow
 def test_the_library_reads_the_cpu_as_linux_lists_its_flags():
     """``cpu_width`` and ``slow_bfloat16_dot``, which route the products, against
-    ``/proc/cpuinfo`` on an x86-64 Linux CPU; elsewhere (nothing to compare with) they say they
-    cannot tell."""
+    ``/proc/cpuinfo`` on an x86-64 Linux CPU; elsewhere (nothing to compare with) only that the
+    width is one the library can give and no narrower than the copy's."""
     try:
         with open("/proc/cpuinfo") as f:
             flags = next((set(line.split()) for line in f if line.startswith("flags")), set())
@@ -158,8 +158,8 @@ def test_bfloat16_products_run_on_the_kernel_at_any_rows_where_the_cpu_has_no_bf
 ):
     """Where XLA multiplies bfloat16 pairs (AVX512_BF16, AMX-BF16), a bfloat16 product goes to
     the kernel up to ``NARROW_ROWS`` rows and to XLA's from there; on a CPU without them (AVX2)
-    XLA's widens its operands and the kernel takes every row count. Either way the result is
-    the float32 sum of the bfloat16 products, rounded once."""
+    XLA's runs slower than the kernel's and the kernel takes every row count. Either way the
+    result is the float32 sum of the bfloat16 products, rounded once."""
     rng = np.random.default_rng(6)
     w = jnp.asarray(rng.standard_normal((40, 24)), jnp.bfloat16)  # (k, n)
     numbers = (((1,), (0,)), ((), ()))

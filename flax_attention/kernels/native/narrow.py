@@ -96,16 +96,21 @@ def levels() -> dict[int, str]:
     return {level: _NAMES[level] for level in _register()[1]}
 
 
+def _ask(symbol: str) -> int:
+    """The library's answer ``symbol()`` about this CPU; 0 where the products are unavailable or
+    the library predates the question."""
+    if _register()[0] is not None:
+        return 0
+    return int(getattr(native._LIBRARY[0], symbol, lambda: 0)())
+
+
 @functools.cache
 def slow_bfloat16_dot() -> bool:
     """Whether XLA's product of bfloat16 operands is slow on this CPU: an x86-64 one without
     bfloat16 pair products (AVX512_BF16, AMX-BF16), where it runs at about 0.7 of float32's
     rate and the kernel's panels run faster at any number of rows; ``False`` where the library
     cannot tell or is unavailable."""
-    if _register()[0] is not None:
-        return False
-    library = native._LIBRARY[0]
-    return bool(getattr(library, "FlaxNarrowSlowBf16Dot", lambda: 0)())
+    return bool(_ask("FlaxNarrowSlowBf16Dot"))
 
 
 @functools.cache
@@ -113,9 +118,7 @@ def cpu_width() -> int:
     """Floats per vector of the widest vectors this CPU runs (16: AVX-512, 8: AVX2 and FMA, 4:
     SSE2), whatever copies the library holds; 0 where the library cannot tell (not x86-64) or
     is unavailable. ``width() == cpu_width()``: the kernel runs the vectors XLA's code does."""
-    if _register()[0] is not None:
-        return 0
-    return int(getattr(native._LIBRARY[0], "FlaxNarrowCpuWidth", lambda: 0)())
+    return _ask("FlaxNarrowCpuWidth")
 
 
 def width(level: int | None = None) -> int:
