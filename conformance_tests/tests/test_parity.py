@@ -129,3 +129,31 @@ def test_own_weight_transfer_and_few_train_steps():
     assert [r.check for r in rows] == ["forward", "grad", "train/adam", "train/adamw",
                                        "train/sgd_momentum"]  # fmt: skip
     assert all(0 < r.max_abs_err < 1e-5 for r in rows), rows
+
+
+class _Recording(UserAttention):
+    """``UserAttention`` that notes the dtype of each input it is called with and torch's default
+    dtype then (in a class attribute: the checks call copies of the module)."""
+
+    seen: list = []
+
+    def forward(self, x):
+        _Recording.seen.append((x.dtype, self.query.weight.dtype, torch.get_default_dtype()))
+        return super().forward(x)
+
+
+@pytest.mark.quick
+def test_the_train_check_holds_flax_to_torchs_float64_run():
+    """The train rows' reference is torch training in float64 (inputs, weights and the tensors a
+    module makes as it runs), and torch's default dtype is float32 again afterwards."""
+    torch.manual_seed(0)
+    theirs = _Recording(8, 2)
+    _, ours, x = _pair()
+    _Recording.seen.clear()
+    rows = assert_parity(theirs, ours, [x], key_map=KEY_MAP, checks=("train",), train_steps=2)
+    assert [r.check for r in rows] == ["train/adam", "train/adamw", "train/sgd_momentum"]
+    assert all(0 < r.max_abs_err < 1e-6 for r in rows), rows
+    # The parity API's one float32 call to name the outputs; then per optimiser one call for
+    # the output's shape, two steps and the trained output.
+    assert _Recording.seen == [(torch.float32,) * 3] + [(torch.float64,) * 3] * 12, _Recording.seen
+    assert torch.get_default_dtype() == torch.float32

@@ -121,18 +121,18 @@ CORRUPTED = {
 
 #: entry -> (case, check, k): the case whose row measured the entry's worst error in the report
 #: on CPU, and how far above that worst the entry may sit. ``train``: 50 Adam steps amplify
-#: float32 roundoff into a drift that varies with the CPU's vector width and the BLAS's
-#: summation order. The case (the worst of the 20 train cases' Adam rows on Zen 4, with and
-#: without AVX-512; the next is below 1e-6) measured 2.5e-6 to 3.4e-6 on AMD Zen 4 (AVX-512)
-#: across this repository's history, 4.2e-6 on Zen 4 limited to AVX2 (XLA, torch, oneDNN,
-#: OpenBLAS and the native kernel, 2026-11-28) and 1.43e-6 on a Zen 3 (AVX2 only): the drift
-#: spans 3x across the machines CI runs on, so the entry keeps 2.4x over the largest and k = 8
-#: over the smallest (at k = 4 the pin failed on the Zen 3). ``dropout:stats`` is in standard
+#: float32 roundoff into a drift from torch's float64 run that varies with the CPU's vector
+#: width and summation order. The case (the worst of the train cases' rows; the next is at
+#: most 0.13 of its bound) measured 6.1e-6 (Adam) and 6.5e-6 (AdamW) on an Intel Xeon with
+#: AVX-512 and 4.3e-6 (Adam) on a Zen 3 (AVX2 only), 2026-12-07: the entry keeps 1.5x over the
+#: largest and k = 4 over a drift down to 2.5e-6. (Against torch's float32 run the pin was
+#: ``annotated_cross_padding``, 1.43e-6 to 4.2e-6 across the machines; it measures 1.0e-6
+#: against float64.) ``dropout:stats`` is in standard
 #: errors: the worst of 11 cases' z-scores (each the largest of hundreds of near-normal
 #: deviations) is 3.6, and 5 is where a correct layer fails about once in 10^4 such maxima;
 #: k = 2.
 PINNED = {
-    ("float32", "train"): ("annotated_cross_padding", "train", 8.0),
+    ("float32", "train"): ("gqa_6heads_2groups", "train", 4.0),
     ("float32", "dropout:stats"): ("wrapper_3heads_bias", "dropout", 2.0),
 }
 
