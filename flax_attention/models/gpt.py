@@ -241,10 +241,18 @@ class LayerNorm(nnx.Module):
 
 
 class GELU(nnx.Module):
-    """The book's ``GELU``: ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``."""
+    """The book's ``GELU``: ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``.
+
+    Computed as ``x sigmoid(2 sqrt(2/pi) (x + 0.044715 x^3))``, the same function
+    (``(1 + tanh(z)) / 2 = sigmoid(2 z)``). For negative ``x``, ``1 + tanh`` cancels: XLA's
+    float32 ``tanh`` on CPU errs by up to 2.2e-7 (torch's by 3.2e-8), which made the tanh form
+    up to 63000 ulp off at ``x`` in (-4, -1) (torch's 8100); the sigmoid has no cancellation,
+    18 ulp there. Adam turns those errors in small gradients into steps: a 5-step parity run
+    against transformers drifted 1.04e-5 with the tanh form, 6.6e-6 with this one.
+    """
 
     def __call__(self, x):
-        return 0.5 * x * (1 + jnp.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))
+        return x * jax.nn.sigmoid(2 * math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3))
 
 
 class FeedForward(nnx.Module):
