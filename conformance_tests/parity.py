@@ -76,9 +76,9 @@ class ParityOptions:
       train_steps: the ``train`` check's optimiser steps (a positive int; default the
         report's 50).
       reference_dtype: ``"float32"`` (the report's reference) or ``"float64"``: the torch side
-        computes and trains in float64, so the rows measure the Flax side's float32 error
-        against the exact result (a model whose Adam steps amplify torch's own float32
-        rounding, see ``test_gpt2.py``). float64 takes integer inputs only (token ids).
+        computes in float64 in the ``forward`` and ``grad`` checks too (``train`` always
+        trains it in float64), so the rows measure the Flax side's float32 error against the
+        exact result. float64 takes integer inputs only (token ids).
       shift_invariant: torch name -> the slice of its last axis that cannot change the output
         (the key third of a fused QKV bias); the ``train`` check leaves it out (its gradient is
         rounding noise, which Adam scales up); a separate key bias is recognised by name.
