@@ -17,10 +17,10 @@ Each check is then the report's: ``forward`` (every output, eval mode), ``grad``
 cotangent's gradients w.r.t. every float input and every parameter, by torch name; integer
 inputs, token ids, stay integers and get none), ``train`` (50 steps, or ``train_steps``, of Adam,
 AdamW and SGD with momentum, the torch module training in float64; parameters compared every 10
-steps and after the last, and the trained output), ``mask`` (for a causal pair or a given ``mask_kind``: masked positions have no
-influence). Rows are ``harness.Row``s, in the report's format (each with the bound its worst
-tensor was held against); tolerances are the report's. The keywords are gathered and checked
-once as a ``ParityOptions``.
+steps and after the last, and the trained output), ``mask`` (for a causal pair or a given
+``mask_kind``: masked positions have no influence). Rows are ``harness.Row``s, in the report's
+format (each with the bound its worst tensor was held against); tolerances are the report's.
+The keywords are gathered and checked once as a ``ParityOptions``.
 """
 
 from __future__ import annotations

@@ -27,9 +27,11 @@ from flax_attention.mesh import (
 )
 
 __all__ = [
+    "FLOAT32_FEW_ROWS",
     "FLOAT32_ROWS",
     "FLOAT32_WEIGHT",
     "NARROW_ROWS",
+    "TILE_BFLOAT16_ROWS",
     "Dropout",
     "Embed",
     "LayerOptions",
@@ -52,6 +54,19 @@ __all__ = [
 #: (docs/performance.md, "bfloat16 and int8 on an AVX2 CPU").
 NARROW_ROWS = {jnp.dtype(jnp.bfloat16): 4, jnp.dtype(jnp.int8): None}
 
+#: The most rows of a bfloat16 product that go to the kernel on a CPU with AMX's bfloat16 tile
+#: products (``narrow.tile_bfloat16``): on an Intel Xeon XLA's bfloat16 product of 8 rows took
+#: 0.65-0.97 of float32's time there, the kernel's 0.32-0.54 (0.42-0.79 of XLA's bfloat16 time
+#: from 1 to 8 rows, 0.84-1.28 at 16; docs/performance.md, "An Intel Xeon with AMX").
+TILE_BFLOAT16_ROWS = 8
+
+#: The most rows of a float32 product with a ``(k, n)`` weight that go to the kernel where it
+#: runs AVX-512, from 2 (one row stays XLA's: 0.84-1.18 of its time on the kernel). On an Intel
+#: Xeon the kernel took 0.47-0.77 of XLA's time at 2 to 8 rows and 0.73-1.05 at 16; on a Zen 4
+#: 0.78-0.87 at 8 (docs/performance.md, "An Intel Xeon with AMX"). With AVX2 XLA's is faster
+#: (1.08-1.58 at 8 rows on the kernel), and with ``(n, k)`` weights (the tied head: 1.34).
+FLOAT32_FEW_ROWS = 8
+
 #: The fewest rows of a float32 product that go to the kernel, with a weight of at most
 #: ``FLOAT32_WEIGHT`` floats, where its copy runs the CPU's widest vectors (AVX-512 or AVX2: a
 #: narrower copy loses to XLA's own code). From 2048 rows the kernel widens the whole weight
@@ -65,18 +80,21 @@ FLOAT32_ROWS = 2048
 FLOAT32_WEIGHT = 1 << 22  # 16 MB; a weight whose padded panels pass it takes a panel a task
 
 
-def narrow_product_ok(rows: int, weight) -> bool:
-    """Whether a product of ``rows`` rows with ``weight`` runs on the narrow-weight kernel: a
-    bfloat16 weight at up to ``NARROW_ROWS[bfloat16]`` rows (at any number where the CPU has no
-    bfloat16 pair products), an int8 weight at any number, a float32 one of at most
-    ``FLOAT32_WEIGHT`` floats from ``FLOAT32_ROWS`` rows where the kernel runs the CPU's widest
-    vectors (AVX-512 or AVX2); on the CPU with the kernel built, outside any mesh (a custom call
-    would gather a sharded weight onto every device)."""
+def narrow_product_ok(rows: int, weight, *, nk: bool = False) -> bool:
+    """Whether a product of ``rows`` rows with ``weight`` (``(k, n)``, or ``(n, k)`` with
+    ``nk``) runs on the narrow-weight kernel: a bfloat16 weight at up to
+    ``NARROW_ROWS[bfloat16]`` rows (``TILE_BFLOAT16_ROWS`` where the CPU has AMX's bfloat16
+    tiles, any number where it has no bfloat16 pair products), an int8 weight at any number, a
+    float32 one of at most ``FLOAT32_WEIGHT`` floats from ``FLOAT32_ROWS`` rows where the kernel
+    runs the CPU's widest vectors (AVX-512 or AVX2), or of 2 to ``FLOAT32_FEW_ROWS`` rows with
+    a ``(k, n)`` weight where those are AVX-512's; on the CPU with the kernel built, outside any
+    mesh (a custom call would gather a sharded weight onto every device)."""
     dtype = jnp.dtype(weight.dtype)
     if weight.ndim != 2 or rows < 1:
         return False
+    few = 2 <= rows <= FLOAT32_FEW_ROWS and not nk
     if dtype == jnp.float32:
-        if rows < FLOAT32_ROWS or weight.size > FLOAT32_WEIGHT:
+        if not (few or rows >= FLOAT32_ROWS) or weight.size > FLOAT32_WEIGHT:
             return False
     elif dtype not in NARROW_ROWS:
         return False
@@ -87,10 +105,13 @@ def narrow_product_ok(rows: int, weight) -> bool:
     if not narrow.available():
         return False
     if dtype == jnp.float32:  # AVX-512 or AVX2, the vectors XLA's own code runs here
-        return narrow.width() >= 8 and narrow.width() == narrow.cpu_width()
+        widest = narrow.width() >= 8 and narrow.width() == narrow.cpu_width()
+        return widest and (rows >= FLOAT32_ROWS or narrow.width() == 16)
     limit = NARROW_ROWS[dtype]
     if dtype == jnp.bfloat16 and narrow.slow_bfloat16_dot():
         limit = None  # XLA's bfloat16 product is the slower one here at any rows
+    elif dtype == jnp.bfloat16 and narrow.tile_bfloat16():
+        limit = TILE_BFLOAT16_ROWS
     return limit is None or rows <= limit
 
 
@@ -204,12 +225,14 @@ def rows_dot_general(lhs, rhs, dimension_numbers, precision=None, **options):
         and (no_mesh or not any(spec_of(lhs)))
     )
     count = math.prod(lhs.shape[:-1])
-    # (a float32 product of fewer rows is XLA's without asking: a forward's every Linear)
-    small = count < FLOAT32_ROWS and jnp.dtype(rhs.dtype) == jnp.float32
-    if plain and not small and narrow_product_ok(count, rhs):
+    nk = tuple(rhs_contracting) == (1,)
+    # (a float32 product of other row counts is XLA's without asking: a forward's every Linear)
+    few = 2 <= count <= FLOAT32_FEW_ROWS
+    small = not few and count < FLOAT32_ROWS and jnp.dtype(rhs.dtype) == jnp.float32
+    if plain and not small and narrow_product_ok(count, rhs, nk=nk):
         rows = lhs.reshape(-1, lhs.shape[-1])  # (rows, d_in)
         dtype = options.get("preferred_element_type") or jnp.result_type(lhs, rhs)
-        out = _narrow(rows, rhs, tuple(rhs_contracting) == (1,)).astype(dtype)  # (rows, d_out)
+        out = _narrow(rows, rhs, nk).astype(dtype)  # (rows, d_out)
         return out.reshape(*lhs.shape[:-1], out.shape[-1])  # (..., d_out)
     operand, numbers = lhs, dimension_numbers
     if plain and lhs.ndim > 2:  # (rows, d_in)

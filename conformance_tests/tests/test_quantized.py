@@ -16,7 +16,13 @@ from flax import nnx
 import flax_attention as fa
 from conformance_tests import book_gpt
 from flax_attention import models
-from flax_attention._layers import FLOAT32_ROWS, NARROW_ROWS, rows_dot_general
+from flax_attention._layers import (
+    FLOAT32_FEW_ROWS,
+    FLOAT32_ROWS,
+    NARROW_ROWS,
+    TILE_BFLOAT16_ROWS,
+    rows_dot_general,
+)
 from flax_attention.kernels.native import narrow
 from flax_attention.models import quantized as quantized_module
 from flax_attention.models.checkpoints import new_model
@@ -93,25 +99,35 @@ def test_each_copy_of_the_kernel_equals_a_float64_product(level):
         np.testing.assert_array_equal(np.asarray(whole)[:2047], np.asarray(panels), err_msg=dtype)
 
 
+TRANSPOSED = (((1,), (1,)), ((), ()))  # x (m, k) against a weight (n, k)
+
+
+@pytest.mark.parametrize("vectors", [16, 8], ids=["avx512", "avx2"])
 @pytest.mark.parametrize("full_width", [True, False], ids=["widest-copy", "narrower-copy"])
-def test_float32_products_of_many_rows_run_on_the_kernel_where_its_copy_runs_the_widest_vectors(
-    monkeypatch, full_width
+def test_float32_products_run_on_the_kernel_at_many_rows_and_at_a_few_with_avx512(
+    monkeypatch, full_width, vectors
 ):
     """A Linear's float32 product goes to the kernel from ``FLOAT32_ROWS`` rows where the
     kernel's copy runs the CPU's widest vectors (AVX-512 or AVX2; it beats XLA's dot there),
-    else to XLA's (a one-arch AVX2 build on an AVX-512 CPU: the CPU's width faked here); either
-    way the values are a float64 product's within float32 rounding, and so are its gradient and
-    its forward-mode derivative (XLA's products of the same operands)."""
+    and at 2 to ``FLOAT32_FEW_ROWS`` rows with a ``(k, n)`` weight where those are AVX-512's;
+    else to XLA's (one row; a ``(n, k)`` weight; a one-arch AVX2 build on an AVX-512 CPU). The
+    widths are faked (the copy that runs is this CPU's); either way the values are a float64
+    product's within float32 rounding, and so are its gradient and its forward-mode derivative
+    (XLA's products of the same operands)."""
     rng = np.random.default_rng(5)
     w = jnp.asarray(rng.standard_normal((40, 24)), jnp.float32)  # (k, n)
     numbers = (((1,), (0,)), ((), ()))
-    kernel = narrow.available() and narrow.width() >= 8 and full_width
-    if narrow.available():
-        cpu = narrow.width() if full_width else 2 * narrow.width()
-        monkeypatch.setattr(narrow, "cpu_width", lambda: cpu)
-    for rows in (FLOAT32_ROWS - 1, FLOAT32_ROWS):
+    kernel = narrow.available() and full_width
+    monkeypatch.setattr(narrow, "width", lambda level=None: vectors)
+    monkeypatch.setattr(narrow, "cpu_width", lambda: vectors if full_width else 2 * vectors)
+    few = FLOAT32_FEW_ROWS
+    for rows in (1, 2, few, few + 1, FLOAT32_ROWS - 1, FLOAT32_ROWS):
         x = jnp.asarray(rng.standard_normal((rows, 40)), jnp.float32)
         calls = str(jax.make_jaxpr(lambda x, w: rows_dot_general(x, w, numbers))(x, w))
+        wanted = rows >= FLOAT32_ROWS or (vectors == 16 and 2 <= rows <= few)
+        assert ("ffi_call" in calls) == (kernel and wanted), (rows, calls)
+        # a (n, k) weight: XLA's below FLOAT32_ROWS
+        calls = str(jax.make_jaxpr(lambda x, w: rows_dot_general(x, w.T, TRANSPOSED))(x, w))
         assert ("ffi_call" in calls) == (kernel and rows >= FLOAT32_ROWS), (rows, calls)
         got = rows_dot_general(x, w, numbers)
         assert _error(got, np.asarray(x, np.float64) @ np.asarray(w, np.float64)) < 1e-6
@@ -132,7 +148,7 @@ def test_float32_products_of_many_rows_run_on_the_kernel_where_its_copy_runs_the
 @pytest.mark.quick
 @needs_narrow
 def test_the_library_reads_the_cpu_as_linux_lists_its_flags():
-    """``cpu_width`` and ``slow_bfloat16_dot``, which route the products, against
+    """``cpu_width``, ``slow_bfloat16_dot`` and ``tile_bfloat16``, which route the products, against
     ``/proc/cpuinfo`` on an x86-64 Linux CPU; elsewhere (nothing to compare with) only that the
     width is one the library can give and no narrower than the copy's."""
     try:
@@ -148,6 +164,7 @@ def test_the_library_reads_the_cpu_as_linux_lists_its_flags():
     v3 = {"avx2", "fma", "bmi2", "movbe"} <= flags
     assert narrow.cpu_width() == (16 if v4 and v3 else 8 if v3 else 4)
     assert narrow.slow_bfloat16_dot() == (not flags & {"avx512_bf16", "amx_bf16"})
+    assert narrow.tile_bfloat16() == ("amx_bf16" in flags)
     assert narrow.width() <= narrow.cpu_width()
 
 
@@ -156,20 +173,23 @@ def test_the_library_reads_the_cpu_as_linux_lists_its_flags():
 def test_bfloat16_products_run_on_the_kernel_at_any_rows_where_the_cpu_has_no_bfloat16_pairs(
     monkeypatch,
 ):
-    """Where XLA multiplies bfloat16 pairs (AVX512_BF16, AMX-BF16), a bfloat16 product goes to
-    the kernel up to ``NARROW_ROWS`` rows and to XLA's from there; on a CPU without them (AVX2)
-    XLA's runs slower than the kernel's and the kernel takes every row count. Either way the
-    result is the float32 sum of the bfloat16 products, rounded once."""
+    """Where XLA multiplies bfloat16 pairs (AVX512_BF16), a bfloat16 product goes to the kernel
+    up to ``NARROW_ROWS`` rows and to XLA's from there, up to ``TILE_BFLOAT16_ROWS`` where the
+    CPU has AMX's bfloat16 tiles; on a CPU without pair products (AVX2) XLA's runs slower than
+    the kernel's and the kernel takes every row count. Either way the result is the float32 sum
+    of the bfloat16 products, rounded once."""
     rng = np.random.default_rng(6)
     w = jnp.asarray(rng.standard_normal((40, 24)), jnp.bfloat16)  # (k, n)
     numbers = (((1,), (0,)), ((), ()))
-    few = NARROW_ROWS[jnp.dtype(jnp.bfloat16)]
-    for slow in (False, True):
+    few, tiles = NARROW_ROWS[jnp.dtype(jnp.bfloat16)], TILE_BFLOAT16_ROWS
+    for slow, tile in ((False, False), (False, True), (True, False)):
         monkeypatch.setattr(narrow, "slow_bfloat16_dot", lambda slow=slow: slow)
-        for rows in (few, few + 1, 40):
+        monkeypatch.setattr(narrow, "tile_bfloat16", lambda tile=tile: tile)
+        for rows in (few, few + 1, tiles, tiles + 1, 40):
             x = jnp.asarray(rng.standard_normal((rows, 40)), jnp.bfloat16)
             calls = str(jax.make_jaxpr(lambda x, w: rows_dot_general(x, w, numbers))(x, w))
-            assert ("ffi_call" in calls) == (slow or rows <= few), (slow, rows)
+            wanted = slow or rows <= (tiles if tile else few)
+            assert ("ffi_call" in calls) == wanted, (slow, tile, rows)
             got = rows_dot_general(x, w, numbers)
             want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
             assert got.dtype == jnp.bfloat16

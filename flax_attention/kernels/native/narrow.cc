@@ -366,6 +366,20 @@ extern "C" int FlaxNarrowSlowBf16Dot() {
 #endif
 }
 
+// 1 where this CPU has AMX's bfloat16 tile products (AMX-BF16): there XLA's bfloat16 product
+// of a few rows ran slower than the kernel's up to 8 rows (an Intel Xeon: 8 rows at 0.65-0.97
+// of float32's time against the kernel's 0.32-0.54), where on a CPU with AVX512_BF16 alone it
+// is as fast from 5 rows (docs/performance.md, "An Intel Xeon with AMX"); 0 where it has none,
+// or where this build cannot tell (not x86-64, not GCC 12+).
+extern "C" int FlaxNarrowTileBf16() {
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("amx-bf16") ? 1 : 0;
+#else
+  return 0;
+#endif
+}
+
 // The floats per vector of the widest vectors this CPU runs (16: AVX-512, 8: AVX2 with FMA, 4:
 // SSE2), whatever copies the library holds: a one-arch AVX2 build on an AVX-512 CPU runs
 // narrower vectors than XLA's own code there. 0 where this build cannot tell (not x86-64, not
