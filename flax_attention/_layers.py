@@ -56,7 +56,7 @@ NARROW_ROWS = {jnp.dtype(jnp.bfloat16): 4, jnp.dtype(jnp.int8): None}
 
 #: The most rows of a bfloat16 product that go to the kernel on a CPU with AMX's bfloat16 tile
 #: products (``narrow.tile_bfloat16``): on an Intel Xeon XLA's bfloat16 product of 8 rows took
-#: 0.65-0.97 of float32's time there, the kernel's 0.32-0.54 (0.42-0.79 of XLA's bfloat16 time
+#: 0.33-0.97 of float32's time there, the kernel's 0.25-0.54 (0.32-0.79 of XLA's bfloat16 time
 #: from 1 to 8 rows, 0.84-1.28 at 16; docs/performance.md, "An Intel Xeon with AMX").
 TILE_BFLOAT16_ROWS = 8
 
@@ -64,7 +64,7 @@ TILE_BFLOAT16_ROWS = 8
 #: runs AVX-512, from 2 (one row stays XLA's: 0.84-1.18 of its time on the kernel). On an Intel
 #: Xeon the kernel took 0.47-0.77 of XLA's time at 2 to 8 rows and 0.73-1.05 at 16; on a Zen 4
 #: 0.78-0.87 at 8 (docs/performance.md, "An Intel Xeon with AMX"). With AVX2 XLA's is faster
-#: (1.08-1.58 at 8 rows on the kernel), and with ``(n, k)`` weights (the tied head: 1.34).
+#: (1.08-1.17 at 8 rows on the kernel), and with ``(n, k)`` weights (the tied head: 1.34).
 FLOAT32_FEW_ROWS = 8
 
 #: The fewest rows of a float32 product that go to the kernel, with a weight of at most

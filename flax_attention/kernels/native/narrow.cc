@@ -367,8 +367,8 @@ extern "C" int FlaxNarrowSlowBf16Dot() {
 }
 
 // 1 where this CPU has AMX's bfloat16 tile products (AMX-BF16): there XLA's bfloat16 product
-// of a few rows ran slower than the kernel's up to 8 rows (an Intel Xeon: 8 rows at 0.65-0.97
-// of float32's time against the kernel's 0.32-0.54), where on a CPU with AVX512_BF16 alone it
+// of a few rows ran slower than the kernel's up to 8 rows (an Intel Xeon: 8 rows at 0.33-0.97
+// of float32's time against the kernel's 0.25-0.54), where on a CPU with AVX512_BF16 alone it
 // is as fast from 5 rows (docs/performance.md, "An Intel Xeon with AMX"); 0 where it has none,
 // or where this build cannot tell (not x86-64, not GCC 12+).
 extern "C" int FlaxNarrowTileBf16() {

@@ -117,8 +117,8 @@ def slow_bfloat16_dot() -> bool:
 @functools.cache
 def tile_bfloat16() -> bool:
     """Whether this CPU has AMX's bfloat16 tile products (AMX-BF16), where XLA's bfloat16 product
-    of up to 8 rows runs slower than the kernel's (on an Intel Xeon: 0.65-0.97 of float32's time
-    at 8 rows against the kernel's 0.32-0.54); ``False`` where the library cannot tell or is
+    of up to 8 rows runs slower than the kernel's (on an Intel Xeon: 0.33-0.97 of float32's time
+    at 8 rows against the kernel's 0.25-0.54); ``False`` where the library cannot tell or is
     unavailable."""
     return bool(_ask("FlaxNarrowTileBf16"))
 
