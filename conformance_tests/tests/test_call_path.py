@@ -17,6 +17,7 @@ from flax import nnx
 
 import flax_attention
 from flax_attention import models
+from flax_attention._layers import narrow_product_ok
 
 PACKAGE = os.path.dirname(flax_attention.__file__)
 CFG = {
@@ -55,6 +56,15 @@ def _trace(call) -> dict[tuple[str, str], int]:
     return entered
 
 
+#: The frames a product on the narrow kernel adds to a forward: the routing's answer, the
+#: product with its derivative rule, and the kernel's entry.
+KERNEL_FRAMES = {
+    ("_layers.py", "narrow_product_ok"),
+    ("_layers.py", "_narrow"),
+    ("kernels/native/narrow.py", "matmul"),
+}
+
+
 @pytest.fixture(scope="module")
 def model():
     model = models.GPTModel(CFG, rngs=nnx.Rngs(0))
@@ -69,7 +79,14 @@ def test_one_forward_checks_at_the_door_and_runs_no_mesh_code(model):
     entered = _trace(lambda: model(ids))
     files = {file for file, _ in entered}
     assert not files & MESH_MODULES, sorted(k for k in entered if k[0] in MESH_MODULES)
-    assert len(entered) <= 24 and len(files) <= 8, (len(entered), sorted(entered))
+    # Where the routing sends the 8 rows' float32 products to the narrow kernel (AVX-512), the
+    # model's path gains the kernel's three frames and its file, and nothing else.
+    kernel = {k for k in entered if k in KERNEL_FRAMES}
+    weight = jnp.zeros((CFG["emb_dim"], CFG["emb_dim"]), jnp.float32)  # (k, n), as the Linears'
+    assert bool(kernel) == narrow_product_ok(8, weight), kernel
+    assert not kernel or kernel == KERNEL_FRAMES, sorted(kernel)
+    own, own_files = len(entered) - len(kernel), files - {f for f, _ in kernel}
+    assert own <= 24 and len(own_files) <= 8, (len(entered), sorted(entered))
     # the layers inside take the hidden states as given: no input check past the model's own
     inner_checks = {k for k in entered if k[1].startswith("check_") and k[0] != "_inputs.py"}
     assert inner_checks <= {("_checks.py", "check_at_most"), ("_checks.py", "check_bool")}

@@ -86,9 +86,10 @@ def why_unavailable() -> str | None:
     return _register()[0]
 
 
+@functools.cache
 def available() -> bool:
     """Whether ``matmul`` can run here."""
-    return why_unavailable() is None
+    return _register()[0] is None
 
 
 def levels() -> dict[int, str]:
@@ -131,6 +132,7 @@ def cpu_width() -> int:
     return _ask("FlaxNarrowCpuWidth")
 
 
+@functools.cache
 def width(level: int | None = None) -> int:
     """Floats per vector of the copy at ``level`` (the widest by default)."""
     widths = _register()[1]
