@@ -115,15 +115,45 @@ def narrow_product_ok(rows: int, weight, *, nk: bool = False) -> bool:
     return limit is None or rows <= limit
 
 
+@functools.cache
+def _kernel_product(nk: bool):
+    """``narrow.matmul(rows, weight, nk=nk)`` whose ``vmap`` over the rows is one call on every
+    element's rows stacked (``jax.vmap`` of the custom call alone runs one call per element,
+    each reading the whole weight: 64 elements of 6 rows against GPT-2's ``768x3072`` weight,
+    48 ms that way, 18 ms stacked); a weight mapped too is XLA's product of float32 operands."""
+    from flax_attention.kernels.native import narrow
+
+    @jax.custom_batching.custom_vmap
+    def product(rows, weight):
+        return narrow.matmul(rows, weight, nk=nk)
+
+    @product.def_vmap
+    def _batched(axis_size, in_batched, rows, weight):
+        rows_batched, weight_batched = in_batched
+        if weight_batched:  # each element its own weight
+            rows = rows if rows_batched else jnp.broadcast_to(rows, (axis_size, *rows.shape))
+            spec = "bmk,bnk->bmn" if nk else "bmk,bkn->bmn"
+            highest = jax.lax.Precision.HIGHEST
+            out = jnp.einsum(spec, rows.astype(jnp.float32), weight.astype(jnp.float32),
+                             precision=highest)  # fmt: skip
+            return out, True
+        if not rows_batched:
+            return product(rows, weight), False
+        m, k = rows.shape[1:]
+        out = product(rows.reshape(axis_size * m, k), weight)  # (axis_size * m, n)
+        return out.reshape(axis_size, m, out.shape[-1]), True
+
+    return product
+
+
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
 def _narrow(rows, weight, nk: bool):
     """``rows (m, k) @ weight`` (``(k, n)``, or ``(n, k)`` with ``nk``) on the narrow kernel,
     float32. Its derivatives are XLA's products of the same operands: the tangent rule below,
     which reverse mode transposes (``d_out @ w.T``, ``x.T @ d_out``), so ``jvp``, ``grad`` and
-    their compositions all work."""
-    from flax_attention.kernels.native import narrow
-
-    return narrow.matmul(rows, weight, nk=nk)
+    their compositions all work; under ``vmap`` the elements' rows are one call
+    (``_kernel_product``)."""
+    return _kernel_product(nk)(rows, weight)
 
 
 @_narrow.defjvp

@@ -57,10 +57,11 @@ def _trace(call) -> dict[tuple[str, str], int]:
 
 
 #: The frames a product on the narrow kernel adds to a forward: the routing's answer, the
-#: product with its derivative rule, and the kernel's entry.
+#: product with its derivative rule and its batching rule, and the kernel's entry.
 KERNEL_FRAMES = {
     ("_layers.py", "narrow_product_ok"),
     ("_layers.py", "_narrow"),
+    ("_layers.py", "product"),
     ("kernels/native/narrow.py", "matmul"),
 }
 
@@ -80,7 +81,7 @@ def test_one_forward_checks_at_the_door_and_runs_no_mesh_code(model):
     files = {file for file, _ in entered}
     assert not files & MESH_MODULES, sorted(k for k in entered if k[0] in MESH_MODULES)
     # Where the routing sends the 8 rows' float32 products to the narrow kernel (AVX-512), the
-    # model's path gains the kernel's three frames and its file, and nothing else.
+    # model's path gains the kernel's four frames and its file, and nothing else.
     kernel = {k for k in entered if k in KERNEL_FRAMES}
     weight = jnp.zeros((CFG["emb_dim"], CFG["emb_dim"]), jnp.float32)  # (k, n), as the Linears'
     assert bool(kernel) == narrow_product_ok(8, weight), kernel

@@ -409,3 +409,30 @@ def test_a_quantized_model_refuses_training_loading_and_a_second_quantization(tw
         models.quantize(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
     with pytest.raises(ValueError, match="already quantized"):
         models.quantize(quantized)
+
+
+@pytest.mark.quick
+@needs_narrow
+def test_vmap_over_few_rows_is_one_kernel_call_and_equals_each_elements_product():
+    """``vmap`` over elements of 3 rows each (the kernel's, every CPU): one custom call on the
+    stacked rows, no loop of calls; the values, per-element gradients and a mapped weight's
+    products are float64's within float32 rounding of the bfloat16 weight's sums."""
+    rng = np.random.default_rng(8)
+    w = jnp.asarray(rng.standard_normal((40, 24)), jnp.bfloat16)  # (k, n)
+    x = jnp.asarray(rng.standard_normal((5, 3, 40)), jnp.float32)  # 5 elements of 3 rows
+    numbers = (((1,), (0,)), ((), ()))
+
+    def one(x, w):
+        return rows_dot_general(x, w, numbers, preferred_element_type=jnp.float32)
+
+    jaxpr = str(jax.make_jaxpr(jax.vmap(one, (0, None)))(x, w))
+    # one call whose result is the 15 stacked rows' (not a call per element, (5, 3, 24))
+    assert jaxpr.count("ffi_call") == 1 and "f32[15,24] = ffi_call" in jaxpr, jaxpr
+    x64, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    want = np.einsum("emk,kn->emn", x64, w64)
+    assert _error(jax.jit(jax.vmap(one, (0, None)))(x, w), want) < 1e-5
+    grads = jax.vmap(jax.grad(lambda x, w: jnp.sum(one(x, w) ** 2)), (0, None))(x, w)
+    assert _error(grads, 2 * np.einsum("emn,kn->emk", want, w64)) < 1e-4
+    ws = jnp.stack([w, -w])  # a weight per element
+    got = jax.vmap(one)(x[:2], ws)
+    assert _error(got, np.stack([want[0], -np.einsum("mk,kn->mn", x64[1], w64)])) < 1e-5
