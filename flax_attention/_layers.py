@@ -137,9 +137,7 @@ def _kernel_product(nk: bool):
             out = jnp.einsum(spec, rows.astype(jnp.float32), weight.astype(jnp.float32),
                              precision=highest)  # fmt: skip
             return out, True
-        if not rows_batched:
-            return product(rows, weight), False
-        m, k = rows.shape[1:]
+        m, k = rows.shape[1:]  # the rows are mapped (the rule runs only when one input is)
         out = product(rows.reshape(axis_size * m, k), weight)  # (axis_size * m, n)
         return out.reshape(axis_size, m, out.shape[-1]), True
 
