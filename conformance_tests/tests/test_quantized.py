@@ -57,7 +57,9 @@ def test_each_copy_of_the_kernel_equals_a_float64_product(level):
     of any vector width (column tiles, single vectors, scalar tails), both layouts, float32,
     bfloat16 and int8 with scales; up to 8 rows of the ``130 x 509`` weight are split over the
     weight's rows (partial sums added after: it has ``k >= 64`` per thread of a 2-core pool and
-    ``m k n >= 2^16`` from one row). From 16 rows the weights are widened into float32 panels
+    ``m k n >= 2^16`` from one row; one row of a bfloat16 ``(k, n)`` weight with AVX2 takes each
+    pair of columns apart without a shuffle, in groups of 32 columns, the rest as before: 70
+    and 509 columns). From 16 rows the weights are widened into float32 panels
     (blocks of 6 rows, then 5; a panel wider than the columns left; ``k = 300``: a second block
     of 256 weight rows added to the first). An ``(n, k)`` weight fills those panels transposed,
     in squares of the vector width and one weight at a time at the edges (``k`` and ``n`` no
