@@ -1,6 +1,6 @@
 """Builds the native CPU kernels: attention (``flax_attention/kernels/native/attention.cc``) and
-the narrow-weight products (``narrow.cc``) and the in-place cache write (``cache.cc``) of decode
-steps, one library.
+the narrow-weight products (``narrow.cc``), and the in-place cache write and bfloat16
+embedding lookup (``cache.cc``) of decode steps, one library.
 
 Everything else about the package is in ``pyproject.toml``. The kernel is an optional extension:
 where there is no C++ compiler, or jax / scipy-openblas32 headers are missing, the install goes

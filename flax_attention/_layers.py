@@ -170,11 +170,18 @@ class Embed(nnx.Embed):
     """``nnx.Embed`` whose lookup, on an ``Explicit`` mesh, is laid out like its ids, features
     whole (``jnp.take`` cannot tell on its own when the ids are split over ``data``), unless
     ``out_sharding`` is given: the models' embeddings name no layout, as the Linears name none
-    (``rows_dot_general``)."""
+    (``rows_dot_general``). A bfloat16 table's rows come from the native lookup where it runs
+    (``kernels.native.table_rows``: XLA's gather would widen the whole table)."""
 
     def __call__(self, inputs, out_sharding=None):
         if out_sharding is None and not jax.sharding.get_abstract_mesh().empty:
             out_sharding = lookup_sharding(inputs)
+        table = self.embedding[...]
+        if table.dtype == jnp.bfloat16 and out_sharding is None and self.dtype in (None, table.dtype):
+            from flax_attention.kernels.native import table_rows
+
+            if table_rows.usable(table, inputs):  # XLA would widen the whole table first
+                return table_rows.take(table, inputs)
         return super().__call__(inputs, out_sharding=out_sharding)
 
 

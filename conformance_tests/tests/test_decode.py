@@ -21,7 +21,8 @@ from flax import nnx
 
 import flax_attention as fa
 from flax_attention import cache as decode_cache
-from flax_attention.kernels.native import cache_write
+from flax_attention import _layers
+from flax_attention.kernels.native import cache_write, table_rows
 from flax_attention.models import annotated
 
 #: The cached layers at small sizes: (class, positional args), d_in = 8, context_length 16.
@@ -451,6 +452,44 @@ def test_the_native_cache_write_equals_xlas_update(dtype):
         np.testing.assert_array_equal(np.asarray(written), expected, err_msg=f"{n} at {index}")
         np.testing.assert_array_equal(np.asarray(cache), before)
 
+
+
+@pytest.mark.quick
+@pytest.mark.skipif(
+    not table_rows.usable(jax.ShapeDtypeStruct((2, 2), jnp.bfloat16), jnp.zeros(1, jnp.int32)),
+    reason="the native lookup runs on one CPU device, kernel built",
+)
+def test_a_bfloat16_embedding_lookup_is_jnp_takes_and_widens_no_table_in_a_loop():
+    """The models' ``Embed`` on a bfloat16 table (``kernels.native.table_rows``) against
+    ``nnx.Embed``'s ``jnp.take``: the rows at ids of two dimensions (a negative id counts from
+    the end), NaN rows out of range, the table's gradient; and a loop of lookups compiled (as
+    ``generate``'s) makes no float32 table, where XLA's gather widened the whole table and
+    hoisted that out of the loop."""
+    dtype = jnp.bfloat16
+    embed = _layers.Embed(11, 6, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0))
+    ids = jnp.array([[0, 3, 10], [-1, -11, 4]])
+    for batch in (ids, jnp.array([11, -12, 2])):  # the last: two out of range
+        want = nnx.Embed.__call__(embed, batch)
+        got = embed(batch)
+        assert got.dtype == want.dtype == jnp.dtype(dtype)
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    assert bool(jnp.isnan(embed(jnp.array([11, -12]))).all())
+    table = embed.embedding[...]
+    weights = jnp.arange(2 * 3 * 6, dtype=jnp.float32).reshape(2, 3, 6)
+    grads = [
+        jax.grad(lambda t, take=take: (take(t, ids).astype(jnp.float32) * weights).sum())(table)
+        for take in (table_rows.take, lambda t, i: jnp.take(t, i, axis=0))
+    ]
+    np.testing.assert_array_equal(np.asarray(grads[0], np.float32), np.asarray(grads[1], np.float32))
+    graphdef, state = nnx.split(embed)
+
+    def lookups(state, token):
+        e = nnx.merge(graphdef, state)
+        zeros = jnp.zeros((1, 6), jnp.float32)
+        return jax.lax.fori_loop(0, 4, lambda j, c: c + e(token + j).astype(jnp.float32), zeros)
+
+    text = jax.jit(lookups).lower(state, jnp.array([1])).compile().as_text()
+    assert "f32[11,6]" not in text, "the loop widens the whole table"
 
 def _cache_copies(layer, dtype):
     """The instructions of ``decode_loop``'s loop body (its compiled program, 4 steps) that
