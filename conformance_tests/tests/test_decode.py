@@ -20,8 +20,8 @@ import pytest
 from flax import nnx
 
 import flax_attention as fa
-from flax_attention import cache as decode_cache
 from flax_attention import _layers
+from flax_attention import cache as decode_cache
 from flax_attention.kernels.native import cache_write, table_rows
 from flax_attention.models import annotated
 
@@ -453,7 +453,6 @@ def test_the_native_cache_write_equals_xlas_update(dtype):
         np.testing.assert_array_equal(np.asarray(cache), before)
 
 
-
 @pytest.mark.quick
 @pytest.mark.skipif(
     not table_rows.usable(jax.ShapeDtypeStruct((2, 2), jnp.bfloat16), jnp.zeros(1, jnp.int32)),
@@ -480,7 +479,7 @@ def test_a_bfloat16_embedding_lookup_is_jnp_takes_and_widens_no_table_in_a_loop(
         jax.grad(lambda t, take=take: (take(t, ids).astype(jnp.float32) * weights).sum())(table)
         for take in (table_rows.take, lambda t, i: jnp.take(t, i, axis=0))
     ]
-    np.testing.assert_array_equal(np.asarray(grads[0], np.float32), np.asarray(grads[1], np.float32))
+    np.testing.assert_array_equal(*(np.asarray(g, np.float32) for g in grads))
     graphdef, state = nnx.split(embed)
 
     def lookups(state, token):
@@ -490,6 +489,7 @@ def test_a_bfloat16_embedding_lookup_is_jnp_takes_and_widens_no_table_in_a_loop(
 
     text = jax.jit(lookups).lower(state, jnp.array([1])).compile().as_text()
     assert "f32[11,6]" not in text, "the loop widens the whole table"
+
 
 def _cache_copies(layer, dtype):
     """The instructions of ``decode_loop``'s loop body (its compiled program, 4 steps) that
