@@ -138,6 +138,26 @@ def why_unavailable() -> str | None:
     return _load()
 
 
+@functools.cache
+def _register_target(target: str, symbol: str) -> bool:
+    """The library's FFI handler ``symbol`` registered once as the CPU's ``target``: whether it
+    is there (the library built and loaded, and not built before ``symbol`` existed)."""
+    if _load() is not None or not hasattr(_LIBRARY[0], symbol):
+        return False
+    capsule = jax.ffi.pycapsule(getattr(_LIBRARY[0], symbol))
+    jax.ffi.register_ffi_target(target, capsule, platform="cpu")
+    return True
+
+
+def _one_cpu_device() -> bool:
+    """Whether a custom call on whole arrays runs here as on one device: the CPU backend, one
+    device (on several, XLA would gather a sharded operand onto each), no ``Explicit`` mesh (its
+    result would lose the operands' sharding type)."""
+    from flax_attention.mesh import explicit_mesh
+
+    return explicit_mesh() is None and jax.default_backend() == "cpu" and jax.device_count() == 1
+
+
 def products() -> str | None:
     """What the kernel multiplies its tiles with where ``d_k`` and ``d_v`` are multiples of 16:
     ``"micro"``, its own register-blocked micro-kernel, or ``"blas"``, scipy-openblas32's

@@ -17,29 +17,18 @@ elsewhere the caller's ``dynamic_update_slice`` does it. Not differentiable itse
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
 from flax_attention.kernels import native
-from flax_attention.mesh import explicit_mesh
 
 __all__ = ["DTYPES", "usable", "write"]
 
 _TARGET = "flax_attention_cache_write"
 
 
-@functools.cache
 def _register() -> bool:
-    if native.why_unavailable() is not None:
-        return False
-    library = native._LIBRARY[0]
-    if not hasattr(library, "FlaxCacheWrite"):  # a library built before the write existed
-        return False
-    capsule = jax.ffi.pycapsule(library.FlaxCacheWrite)
-    jax.ffi.register_ffi_target(_TARGET, capsule, platform="cpu")
-    return True
+    return native._register_target(_TARGET, "FlaxCacheWrite")
 
 
 #: The cache dtypes the write takes (the package's caches: float32, bfloat16, float16).
@@ -51,13 +40,7 @@ def usable(cache) -> bool:
     call's result would lose the cache's sharding type), the CPU backend, one device (on several,
     XLA would gather a sharded cache onto each for the custom call), the library with the
     write."""
-    return (
-        cache.dtype in DTYPES
-        and explicit_mesh() is None
-        and jax.default_backend() == "cpu"
-        and jax.device_count() == 1
-        and _register()
-    )
+    return cache.dtype in DTYPES and native._one_cpu_device() and _register()
 
 
 def write(cache, rows, index):

@@ -17,13 +17,10 @@ as ``jnp.take``'s. Its derivative is ``jnp.take``'s of the table's tangent.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
 from flax_attention.kernels import native
-from flax_attention.mesh import explicit_mesh
 
 __all__ = ["DTYPES", "take", "usable"]
 
@@ -33,16 +30,8 @@ _TARGET = "flax_attention_table_rows"
 DTYPES = (jnp.dtype(jnp.bfloat16),)
 
 
-@functools.cache
 def _register() -> bool:
-    if native.why_unavailable() is not None:
-        return False
-    library = native._LIBRARY[0]
-    if not hasattr(library, "FlaxTableRows"):  # a library built before the lookup existed
-        return False
-    capsule = jax.ffi.pycapsule(library.FlaxTableRows)
-    jax.ffi.register_ffi_target(_TARGET, capsule, platform="cpu")
-    return True
+    return native._register_target(_TARGET, "FlaxTableRows")
 
 
 def usable(table, ids) -> bool:
@@ -51,9 +40,7 @@ def usable(table, ids) -> bool:
         table.dtype in DTYPES
         and table.ndim == 2
         and jnp.issubdtype(ids.dtype, jnp.integer)
-        and explicit_mesh() is None
-        and jax.default_backend() == "cpu"
-        and jax.device_count() == 1
+        and native._one_cpu_device()
         and _register()
     )
 
