@@ -87,6 +87,13 @@ def test_each_copy_of_the_kernel_equals_a_float64_product(level):
                     want = x.astype(np.float64) @ (dense.T if nk else dense)
                     case = (rows, k, n, dtype, nk)
                     worst[case] = _error(got, want)
+    # A scale applies to any weight dtype: one row of a bfloat16 weight, scaled after the sums
+    # (k = 100: not split over the weight's rows, so the column loop scales).
+    x = rng.standard_normal((1, 100)).astype(np.float32)
+    w = rng.standard_normal((100, 509)).astype(jnp.bfloat16)
+    scale = rng.random(509).astype(np.float32) + 0.5
+    got = narrow.matmul(jnp.asarray(x), jnp.asarray(w), scale, level=level)
+    worst["scaled"] = _error(got, x.astype(np.float64) @ w.astype(np.float64) * scale)
     bad = {case: err for case, err in worst.items() if err > 1e-5}
     assert not bad, f"level {level} ({narrow.levels()[level]}): {bad}"
     # From 2048 rows the whole weight is widened first: the same floats summed in the same

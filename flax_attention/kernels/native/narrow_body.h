@@ -251,11 +251,8 @@ inline void KnOneRowBf16(int64_t k, const float* x, const Bf16* w, int64_t ldw,
     Vec e, o;
     LoadF(e, y + j);
     LoadF(o, y + j + W);
-    Vec lo, hi;
-    if constexpr (W == 8) {
-      lo = __builtin_shufflevector(e, o, 0, 8, 1, 9, 2, 10, 3, 11);
-      hi = __builtin_shufflevector(e, o, 4, 12, 5, 13, 6, 14, 7, 15);
-    }
+    Vec lo = __builtin_shufflevector(e, o, 0, 8, 1, 9, 2, 10, 3, 11);
+    Vec hi = __builtin_shufflevector(e, o, 4, 12, 5, 13, 6, 14, 7, 15);
     if (scale != nullptr) {
       Vec s;
       LoadF(s, scale + j);
