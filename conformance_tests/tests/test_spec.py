@@ -8,6 +8,9 @@ import inspect
 import io
 import json
 import math
+import os
+import subprocess
+import sys
 
 import jax.numpy as jnp
 import numpy as np
@@ -123,6 +126,39 @@ def test_the_grad_check_rounds_each_operation_on_its_own(tmp_path):
     case = next(c for c in spec.CASES if c.name == "v1_wide")
     (row,) = harness.run_case(case, "grad", CPU, "float32", str(tmp_path))
     assert row.passed and row.err_over_bound < 0.3, _describe([row])
+
+
+def test_the_report_passes_with_xlas_default_code_generation(tmp_path):
+    """The suite compiles with LLVM's optimisation passes off (``conftest.TEST_CODEGEN``); the
+    report a user runs compiles with XLA's defaults. Run as a user runs it, in a process of its
+    own without that flag: ``v1_wide`` (the rounding-sensitive gradient above) and
+    ``doc_mha_2heads`` (every check: forward, grad, dropout, train, mask; each dtype) pass, with
+    ``v1_wide``'s gradient row as far inside its bound as op by op."""
+    from conformance_tests.tests.conftest import ROOT, TEST_CODEGEN
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "").replace(TEST_CODEGEN, "").strip()
+    script = (
+        "import os, sys\n"
+        "assert 'xla_backend_optimization_level' not in os.environ['XLA_FLAGS']\n"
+        "from conformance_tests import cli\n"
+        "codes = [cli.main(['--quiet', '--cases', name, '--json', f'{sys.argv[1]}/{name}.json'])"
+        "         for name in ('v1_wide', 'doc_mha_2heads')]\n"
+        "sys.exit(max(codes))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
+        text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    v1 = json.loads((tmp_path / "v1_wide.json").read_text())
+    mha = json.loads((tmp_path / "doc_mha_2heads.json").read_text())
+    assert all(r["passed"] for r in v1 + mha), [r for r in v1 + mha if not r["passed"]]
+    checks = {r["check"].split("/")[0] for r in mha}
+    assert checks == {"forward", "grad", "dropout", "train", "mask"}, checks
+    assert {r["dtype"] for r in mha} == {"float32", "bfloat16", "float16"}
+    (grad,) = [r for r in v1 if r["check"] == "grad"]
+    assert grad["err_over_bound"] < 0.3, grad
 
 
 # ---- every check can fail ---------------------------------------------------------------------
