@@ -1,8 +1,8 @@
 """The benchmarks' tests run under the suite's strict settings, and share one quick run.
 
 The strict settings are ``conformance_tests/tests/conftest.py``'s (highest matmul precision, rank
-promotion raises, TF32 off in torch); importing it applies them here as well, also when only
-these tests run (``test_conftest.py`` checks they hold).
+promotion raises, TF32 off in torch, XLA's code generation for the tests); importing it applies
+them here as well, also when only these tests run (``test_conftest.py`` checks they hold).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import pytest
 
 from benchmarks.tests.helpers import HAVE_MATPLOTLIB, check_ran, once_per_session, run_module
 from conformance_tests.tests.conftest import (  # and the strict settings
+    OPTIMIZATION_LEVEL,
     QUICK_CODEGEN,
     WORKER_CORES,
 )
@@ -40,7 +41,8 @@ def quick_run(tmp_path_factory):
         args += ["--torch-threads", str(WORKER_CORES)]
         if HAVE_MATPLOTLIB:
             args += ["--charts", str(chart_dir)]
-        flags = f"{os.environ.get('XLA_FLAGS', '')} {QUICK_CODEGEN}".strip()
+        flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if OPTIMIZATION_LEVEL not in f]
+        flags = " ".join([*flags, QUICK_CODEGEN])  # its level instead of the tests' own
         return {
             **run_module(args, timeout=300, env={"XLA_FLAGS": flags}),
             "json_path": str(path),

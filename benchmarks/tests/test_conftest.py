@@ -7,7 +7,7 @@ import jax
 import pytest
 import torch
 
-from conformance_tests.tests.conftest import TEST_CODEGEN
+from conformance_tests.tests.conftest import OPTIMIZATION_LEVEL, TEST_CODEGEN
 
 
 @pytest.mark.quick
@@ -18,5 +18,5 @@ def test_the_strict_settings_hold_here():
     assert torch.backends.cudnn.allow_tf32 is False
     # the tests' code generation (TEST_CODEGEN), or the level the environment named instead
     flags = os.environ["XLA_FLAGS"].split()
-    levels = [f for f in flags if f.startswith("--xla_backend_optimization_level=")]
+    levels = [f for f in flags if f.startswith(OPTIMIZATION_LEVEL)]
     assert levels == [TEST_CODEGEN] or len(levels) == 1 and TEST_CODEGEN not in flags, flags
