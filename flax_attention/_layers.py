@@ -177,8 +177,8 @@ class Embed(nnx.Embed):
         if out_sharding is None and not jax.sharding.get_abstract_mesh().empty:
             out_sharding = lookup_sharding(inputs)
         table = self.embedding[...]
-        native = out_sharding is None and self.dtype in (None, table.dtype)
-        if native and table.dtype == jnp.bfloat16:
+        unchanged = self.dtype in (None, table.dtype)
+        if out_sharding is None and table.dtype == jnp.bfloat16 and unchanged:
             from flax_attention.kernels.native import table_rows
 
             if table_rows.usable(table, inputs):  # XLA would widen the whole table first
